@@ -1,0 +1,1 @@
+"""Examples: a small vision-language model trained with lightning_vlmbalance on the CPU."""

@@ -1,0 +1,198 @@
+"""A small vision-language model (ViT-style encoder, projector, decoder) as a LightningModule.
+
+It consumes ``PackedBatch`` dicts from :class:`~lightning_vlmbalance.PackCollator`: the vision
+encoder attends within each image (``image_cu_seqlens``), the projected image tokens replace the
+image placeholders in the token embeddings (``image_positions``), and the decoder attends causally
+within each document (``cu_seqlens``), all through :func:`~lightning_vlmbalance.packed_attention`
+with the metadata built once per batch. An optional MoE feed-forward routes each token to
+``moe_topk`` of ``moe_experts`` experts with the classic loop over experts.
+
+Legend for tensor suffixes: T tokens of the pack, I image tokens, D model dim, H heads, E experts,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_vlmbalance import IGNORE_INDEX, packed_attention
+
+
+@dataclass(kw_only=True, slots=True)
+class ToyVLMConfig:
+    vocab_size: int = 256
+    patch_dim: int = 32
+    dim: int = 64
+    heads: int = 4
+    vision_layers: int = 1
+    llm_layers: int = 2
+    max_positions: int = 512
+    moe_experts: int = 0  # 0: dense feed-forward in the decoder
+    moe_topk: int = 2
+    lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        if self.dim % self.heads:
+            raise ValueError(
+                f"`ToyVLMConfig(dim={self.dim}, heads={self.heads})`: heads must divide dim"
+            )
+        if self.moe_experts and not 1 <= self.moe_topk <= self.moe_experts:
+            raise ValueError(
+                f"`ToyVLMConfig(moe_topk={self.moe_topk})` must be in"
+                f" [1, moe_experts={self.moe_experts}]"
+            )
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k routed experts, computed with one ``torch.where`` per expert (the common baseline)."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, topk: int) -> None:
+        super().__init__()
+        self.topk = topk
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(MLP(dim, hidden) for _ in range(experts))
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        probs_TE = self.router(x_TD).softmax(dim=-1)
+        weight_TK, expert_TK = probs_TE.topk(self.topk, dim=-1)
+        weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
+        out_TD = torch.zeros_like(x_TD)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(expert_TK == e)
+            # run even with no token so every expert is in the graph (DDP needs every parameter)
+            y = expert(x_TD[token]) * weight_TK[token, slot, None]
+            out_TD = out_TD.index_add(0, token, y)
+        return out_TD
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block over a packed sequence."""
+
+    def __init__(self, dim: int, heads: int, causal: bool, ffn: nn.Module | None = None) -> None:
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ffn = ffn if ffn is not None else MLP(dim, 4 * dim)
+
+    def forward(
+        self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    ) -> torch.Tensor:
+        T, D = x_TD.shape
+        q, k, v = self.qkv(self.norm1(x_TD)).view(T, 3, self.heads, D // self.heads).unbind(1)
+        a_THd = packed_attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
+        x_TD = x_TD + self.proj(a_THd.reshape(T, D))
+        return x_TD + self.ffn(self.norm2(x_TD))
+
+
+class VisionEncoder(nn.Module):
+    """ViT-style: patch features -> tokens, attention within each image."""
+
+    def __init__(self, cfg: ToyVLMConfig) -> None:
+        super().__init__()
+        self.embed = nn.Linear(cfg.patch_dim, cfg.dim)
+        self.blocks = nn.ModuleList(
+            Block(cfg.dim, cfg.heads, causal=False) for _ in range(cfg.vision_layers)
+        )
+        self.norm = nn.LayerNorm(cfg.dim)
+
+    def forward(
+        self, pixels_IP: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    ) -> torch.Tensor:
+        x_ID = self.embed(pixels_IP)
+        for block in self.blocks:
+            x_ID = block(x_ID, cu_seqlens, max_seqlen)
+        return self.norm(x_ID)
+
+
+class LanguageModel(nn.Module):
+    """Decoder over the packed sequence, causal within each document."""
+
+    def __init__(self, cfg: ToyVLMConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos = nn.Embedding(cfg.max_positions, cfg.dim)
+        hidden = 4 * cfg.dim
+        self.blocks = nn.ModuleList(
+            Block(
+                cfg.dim,
+                cfg.heads,
+                causal=True,
+                ffn=MoEFeedForward(cfg.dim, hidden, cfg.moe_experts, cfg.moe_topk)
+                if cfg.moe_experts
+                else None,
+            )
+            for _ in range(cfg.llm_layers)
+        )
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(
+        self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    ) -> torch.Tensor:
+        for block in self.blocks:
+            x_TD = block(x_TD, cu_seqlens, max_seqlen)
+        return self.head(self.norm(x_TD))
+
+
+class ToyVLM(L.LightningModule):
+    """The example VLM. The loss is the sum of token losses over ``global_loss_tokens``."""
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.cfg = ToyVLMConfig(**config)
+        self.vision = VisionEncoder(self.cfg)
+        self.projector = nn.Sequential(
+            nn.Linear(self.cfg.dim, self.cfg.dim), nn.GELU(), nn.Linear(self.cfg.dim, self.cfg.dim)
+        )
+        self.llm = LanguageModel(self.cfg)
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        input_ids_T = batch["input_ids"].reshape(-1)
+        position_ids_T = batch["position_ids"].reshape(-1)
+        if int(input_ids_T.numel()) > self.cfg.max_positions:
+            raise ValueError(
+                f"packs of {input_ids_T.numel()} tokens exceed"
+                f" `max_positions={self.cfg.max_positions}`"
+            )
+        image_ID = self.vision(
+            batch["pixel_values"], batch["image_cu_seqlens"], batch["image_max_seqlen"]
+        )
+        x_TD = self.llm.embed(input_ids_T) + self.llm.pos(position_ids_T)
+        x_TD = x_TD.index_put((batch["image_positions"],), self.projector(image_ID))
+        return self.llm(x_TD, batch["cu_seqlens"], batch["max_seqlen"])  # (T, V)
+
+    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        logits_TV = self(batch)
+        labels_T = batch["labels"].reshape(-1)
+        # HF convention: position t predicts labels[t + 1]; the collator masks document starts
+        loss_sum = F.cross_entropy(
+            logits_TV[:-1].float(), labels_T[1:], ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss_sum / max(int(batch["global_loss_tokens"]), 1)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=1)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.cfg.lr)

@@ -1,0 +1,53 @@
+"""lightning_vlmbalance: faster multimodal (vision-language) training on many GPUs, same math.
+
+Public API (everything else is private):
+
+- Packing-aware sampling: :class:`PackingSampler`, :class:`PackedDataLoader`,
+  :class:`PackCollator`, :func:`pack_greedy` (see ``docs/packing.md``).
+- Packed attention: :func:`packed_attention` (see ``docs/packed_attention.md``).
+- Synthetic data for examples and tests: :func:`synthetic_length_table`,
+  :class:`SyntheticVLMDataset`, :func:`read_length_csv`.
+"""
+
+from lightning_vlmbalance.attention import flash_attn_available, packed_attention
+from lightning_vlmbalance.packing import (
+    IGNORE_INDEX,
+    EpochPlan,
+    PackCollator,
+    PackedDataLoader,
+    PackingConfig,
+    PackingSampler,
+    Packs,
+    build_epoch_plan,
+    pack_best_fit_decreasing,
+    pack_greedy,
+    packing_efficiency,
+)
+from lightning_vlmbalance.synthetic import (
+    LengthTable,
+    SyntheticVLMDataset,
+    read_length_csv,
+    synthetic_length_table,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IGNORE_INDEX",
+    "EpochPlan",
+    "LengthTable",
+    "PackCollator",
+    "PackedDataLoader",
+    "PackingConfig",
+    "PackingSampler",
+    "Packs",
+    "SyntheticVLMDataset",
+    "build_epoch_plan",
+    "flash_attn_available",
+    "pack_best_fit_decreasing",
+    "pack_greedy",
+    "packed_attention",
+    "packing_efficiency",
+    "read_length_csv",
+    "synthetic_length_table",
+]

@@ -1,0 +1,134 @@
+"""Packed (document-masked) attention over a varlen batch.
+
+Tokens of several documents are concatenated into one sequence; each token attends only to tokens
+of its own document (causally or not). The boundaries come as ``cu_seqlens`` (int32, ``D + 1``
+offsets) and ``max_seqlen`` (a python int), built once per batch by the collator and shared by every
+layer, so no layer recomputes them and none needs a device-to-host sync.
+
+On CUDA with flash-attn installed (fp16/bf16) this calls flash-attn's varlen kernel. Otherwise it
+runs PyTorch's ``scaled_dot_product_attention`` on one of two layouts, chosen from shapes alone
+(python ints, no sync): documents gathered into a padded ``(D, max_seqlen)`` batch when that costs
+less than the dense layout, else the whole sequence with a block-diagonal mask.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["flash_attn_available", "packed_attention"]
+
+_FLASH = importlib.util.find_spec("flash_attn") is not None
+
+
+def flash_attn_available() -> bool:
+    """Whether flash-attn is importable (it is an optional extra, CUDA only)."""
+    return _FLASH
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention within each document of a packed sequence.
+
+    Args:
+        q: ``(T, H, Dh)`` queries of all documents, concatenated.
+        k: ``(T, Hkv, Dh)`` keys; ``Hkv`` divides ``H`` (grouped-query attention).
+        v: ``(T, Hkv, Dh)`` values.
+        cu_seqlens: ``(D + 1,)`` int32 document offsets, ``cu_seqlens[-1] == T``.
+        max_seqlen: length of the longest document (python int).
+        causal: mask future tokens of the same document.
+        softmax_scale: defaults to ``Dh ** -0.5``.
+
+    Returns:
+        ``(T, H, Dh)`` attention output.
+    """
+    T, H = q.shape[:2]
+    if k.shape[0] != T or v.shape[0] != T or H % k.shape[1]:
+        raise ValueError(
+            f"packed_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do"
+            " not fit (T must match and Hkv must divide H)"
+        )
+    if T == 0:  # an empty batch (e.g. a pack with no images): keep k and v in the graph
+        return q + (k.sum() + v.sum()) * 0
+    if _FLASH and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from flash_attn import flash_attn_varlen_func
+
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        return flash_attn_varlen_func(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal, softmax_scale=softmax_scale
+        )
+    if k.shape[1] != H:  # SDPA's enable_gqa is not on every backend: expand explicitly
+        k = k.repeat_interleave(H // k.shape[1], dim=1)
+        v = v.repeat_interleave(H // v.shape[1], dim=1)
+    D = cu_seqlens.numel() - 1
+    cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    if D * max_seqlen * max_seqlen <= T * T:
+        return _padded_documents(q, k, v, cu, D, max_seqlen, causal, softmax_scale)
+    return _block_diagonal(q, k, v, cu, causal, softmax_scale)
+
+
+def _padded_documents(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    D: int,
+    M: int,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    # Legend: T tokens, D documents, M = max_seqlen, H heads, Dh head dim.
+    T, H, Dh = q.shape
+    starts_D1 = cu[:-1, None]
+    lens_D1 = cu[1:, None] - starts_D1
+    offs_1M = torch.arange(M, device=q.device)[None, :]
+    valid_DM = offs_1M < lens_D1
+    src_DM = torch.where(valid_DM, starts_D1 + offs_1M, 0)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # (T, H, Dh) -> (D, H, M, Dh)
+        return x[src_DM.reshape(-1)].reshape(D, M, H, Dh).transpose(1, 2)
+
+    mask = None
+    if not causal:  # padded keys must not be attended; with causal they come after every query
+        mask = valid_DM[:, None, None, :]
+    out_DHMd = F.scaled_dot_product_attention(
+        gather(q), gather(k), gather(v), attn_mask=mask, is_causal=causal, scale=scale
+    )
+    # back to (T, H, Dh): token t sits in document doc(t) at offset t - start(doc(t))
+    t = torch.arange(T, device=q.device)
+    doc_T = torch.searchsorted(cu, t, right=True) - 1
+    flat_T = doc_T * M + (t - cu[doc_T])
+    return out_DHMd.transpose(1, 2).reshape(D * M, H, Dh)[flat_T]
+
+
+def _block_diagonal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    T = q.shape[0]
+    t = torch.arange(T, device=q.device)
+    doc_T = torch.searchsorted(cu, t, right=True) - 1
+    mask_TT = doc_T[:, None] == doc_T[None, :]
+    if causal:
+        mask_TT &= t[:, None] >= t[None, :]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask_TT,
+        scale=scale,
+    )  # (1, H, T, Dh)
+    return out[0].transpose(0, 1)

@@ -1,0 +1,203 @@
+"""Collation of one pack of samples into a ``PackedBatch`` (torch only, no Lightning).
+
+A *sample* is a dict with
+
+========================  ===============================================================
+``input_ids``             ``LongTensor[L]``, image tokens included as placeholder ids
+``labels`` (optional)     ``LongTensor[L]`` aligned with ``input_ids`` (``-100`` = no loss);
+                          default: ``input_ids`` with ``-100`` at image tokens
+``pixel_values``          ``Tensor[I, *feature]``: one row per image token, images concatenated
+                          (absent or empty for a text-only sample)
+``image_sizes``           image tokens of each image (list or tensor), summing to ``I``
+``image_positions``       ``LongTensor[I]``: where each image token sits in ``input_ids``
+========================  ===============================================================
+
+A ``PackedBatch`` is a plain dict (Lightning moves its tensors to the device):
+
+========================  ===============================================================
+``input_ids``             ``LongTensor[1, T]``, ``T = seq_len``; the tail is padding
+``labels``                ``LongTensor[1, T]``; the first token of each document is ``-100``
+                          so a model that shifts labels never predicts across documents
+``position_ids``          ``LongTensor[1, T]``, restarting at 0 in each document
+``cu_seqlens``            ``IntTensor[D + 1]``: document boundaries (padding tail is its own
+                          segment), for packed attention
+``max_seqlen``            ``int``, longest segment, computed on the CPU (no device sync)
+``pixel_values``          ``Tensor[I, *feature]``, every image of the pack
+``image_cu_seqlens``      ``IntTensor[n_images + 1]``: image boundaries in ``pixel_values``
+``image_max_seqlen``      ``int``
+``image_positions``       ``LongTensor[I]``: index in the flattened ``T`` of each image token
+``loss_tokens``           ``int``: targets in this pack (``labels[1:] != -100``)
+``global_loss_tokens``    ``int``: targets in the whole global batch; equals ``loss_tokens``
+                          until a rebalancing loader fills it in
+``meta``                  ``dict``: ``pack_id``, ``sample_ids``, ``total_tokens``,
+                          ``image_tokens``, ``doc_lens``, ``images``, ``padding``
+========================  ===============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["IGNORE_INDEX", "PackCollator"]
+
+IGNORE_INDEX = -100
+
+
+class PackCollator:
+    """Turns the samples of one pack into a ``PackedBatch`` of fixed length ``seq_len``.
+
+    Args:
+        seq_len: tokens per pack (the batch is padded to it, so shapes are static).
+        pad_token_id: id used for the padding tail.
+        image_feature_shape: trailing shape of ``pixel_values`` rows (e.g. ``(patch_dim,)``), used
+            to give a pack without images an empty ``pixel_values`` of the right shape. If
+            ``None``, it is learnt from the first sample with images.
+        pixel_dtype: dtype of ``pixel_values``.
+
+    Example::
+
+        collate = PackCollator(seq_len=512, image_feature_shape=(48,))
+        batch = collate([dataset[0], dataset[1]])
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        pad_token_id: int = 0,
+        image_feature_shape: Sequence[int] | None = None,
+        pixel_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if seq_len < 1:
+            raise ValueError(f"`PackCollator(seq_len={seq_len!r})` must be >= 1")
+        self.seq_len = seq_len
+        self.pad_token_id = pad_token_id
+        self.image_feature_shape = (
+            None if image_feature_shape is None else tuple(image_feature_shape)
+        )
+        self.pixel_dtype = pixel_dtype
+
+    def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
+        """Collates one pack.
+
+        ``items`` are sample dicts, or ``(pack_id, sample_id, sample)`` triples as produced by
+        :class:`~lightning_vlmbalance.PackedDataLoader` (``sample`` is ``None`` for a padding pack).
+        """
+        pack_id, sample_ids, samples = _unpack_items(items)
+        T = self.seq_len
+        input_ids = torch.full((T,), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((T,), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros(T, dtype=torch.long)
+        doc_lens: list[int] = []
+        pixels: list[torch.Tensor] = []
+        image_sizes: list[int] = []
+        image_positions: list[torch.Tensor] = []
+        offset = 0
+        for sid, sample in zip(sample_ids, samples):
+            ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
+            lab = sample.get("labels")
+            # a copy: the sample's own tensors are never modified
+            lab = ids if lab is None else torch.as_tensor(lab, dtype=torch.long).reshape(-1)
+            lab = lab.clone()
+            if lab.shape != ids.shape:
+                raise ValueError(
+                    f"sample {sid}: labels have {lab.numel()} tokens, input_ids {ids.numel()}"
+                )
+            pos, sizes, pix = _image_fields(sample, sid, ids.numel())
+            if ids.numel() > T:
+                if sizes:
+                    raise ValueError(
+                        f"sample {sid} has {ids.numel()} tokens with images, more than"
+                        f" `seq_len={T}`: a sample with images is never cut"
+                    )
+                ids, lab = ids[:T], lab[:T]  # text-only truncation (overlong="truncate")
+            n = ids.numel()
+            if offset + n > T:
+                raise ValueError(
+                    f"pack {pack_id}: sample {sid} ({n} tokens) does not fit, {offset} of"
+                    f" `seq_len={T}` tokens are used already; the packing plan does not match"
+                    " the dataset"
+                )
+            if sizes:
+                lab[pos] = IGNORE_INDEX
+                pixels.append(pix)
+                image_sizes.extend(sizes)
+                image_positions.append(pos + offset)
+            lab[0] = IGNORE_INDEX  # never predict the first token of a document from the last one
+            input_ids[offset : offset + n] = ids
+            labels[offset : offset + n] = lab
+            position_ids[offset : offset + n] = torch.arange(n)
+            doc_lens.append(n)
+            offset += n
+        if offset < T:
+            position_ids[offset:] = torch.arange(T - offset)
+        segments = doc_lens + ([T - offset] if offset < T else [])
+        cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
+        cu_seqlens[1:] = torch.cumsum(torch.tensor(segments, dtype=torch.int32), 0)
+
+        if pixels:
+            pixel_values = torch.cat(pixels).to(self.pixel_dtype)
+            if self.image_feature_shape is None:
+                self.image_feature_shape = tuple(pixel_values.shape[1:])
+        else:
+            pixel_values = torch.zeros(
+                (0, *(self.image_feature_shape or ())), dtype=self.pixel_dtype
+            )
+        image_cu = torch.zeros(len(image_sizes) + 1, dtype=torch.int32)
+        if image_sizes:
+            image_cu[1:] = torch.cumsum(torch.tensor(image_sizes, dtype=torch.int32), 0)
+        loss_tokens = int((labels[1:] != IGNORE_INDEX).sum())
+        return {
+            "input_ids": input_ids.unsqueeze(0),
+            "labels": labels.unsqueeze(0),
+            "position_ids": position_ids.unsqueeze(0),
+            "cu_seqlens": cu_seqlens,
+            "max_seqlen": max(segments),
+            "pixel_values": pixel_values,
+            "image_cu_seqlens": image_cu,
+            "image_max_seqlen": max(image_sizes, default=0),
+            "image_positions": (
+                torch.cat(image_positions) if image_positions else torch.zeros(0, dtype=torch.long)
+            ),
+            "loss_tokens": loss_tokens,
+            "global_loss_tokens": loss_tokens,
+            "meta": {
+                "pack_id": pack_id,
+                "sample_ids": sample_ids,
+                "total_tokens": offset,
+                "image_tokens": sum(image_sizes),
+                "doc_lens": doc_lens,
+                "images": len(image_sizes),
+                "padding": not samples,
+            },
+        }
+
+
+def _unpack_items(items: Sequence[Any]) -> tuple[int, list[int], list[dict]]:
+    if items and isinstance(items[0], tuple):
+        pack_id = items[0][0]
+        if items[0][2] is None:  # a padding pack
+            return pack_id, [], []
+        return pack_id, [int(i) for _, i, _ in items], [s for _, _, s in items]
+    return -1, list(range(len(items))), list(items)
+
+
+def _image_fields(
+    sample: dict, sid: int, n_tokens: int
+) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    pix = sample.get("pixel_values")
+    if pix is None or len(pix) == 0:
+        return torch.zeros(0, dtype=torch.long), [], None
+    pos = torch.as_tensor(sample["image_positions"], dtype=torch.long).reshape(-1)
+    sizes = [int(s) for s in torch.as_tensor(sample["image_sizes"]).reshape(-1).tolist()]
+    if sum(sizes) != len(pix) or len(pos) != len(pix):
+        raise ValueError(
+            f"sample {sid}: {len(pix)} pixel rows, {len(pos)} image positions and image sizes"
+            f" {sizes} disagree"
+        )
+    if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= n_tokens):
+        raise ValueError(f"sample {sid}: an image position lies outside its {n_tokens} tokens")
+    return pos, sizes, torch.as_tensor(pix)

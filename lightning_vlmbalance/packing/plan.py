@@ -1,0 +1,340 @@
+"""The epoch packing plan: which rank computes which pack, identical on every rank (numpy only).
+
+Every rank builds the same plan from the dataset's length table, the seed and the epoch, so all
+ranks know every rank's pack count without a collective:
+
+1. The samples are cut into ``world_size`` contiguous shards by index (rank ``r`` reads shard
+   ``r``: sequential I/O).
+2. Each shard is shuffled with a generator seeded by ``(seed, epoch, shard)`` and packed by
+   :func:`~lightning_vlmbalance.packing.binpack.pack_greedy` (windows over the shuffled order, so no
+   global sort by length).
+3. Pack counts are equalised: ranks with more packs than ``ceil(P / world_size)`` hand their last
+   packs to ranks with fewer (counted as ``moved_packs``). Then the *remainder policy* settles the
+   ``P mod world_size`` left over:
+
+   - ``"pad"`` (default): the ranks one pack short get one *padding pack* (no sample, no loss
+     token). Every sample is used exactly once; nothing is dropped or duplicated.
+   - ``"drop"``: the left-over packs are dropped; their samples are counted in
+     ``dropped_samples`` and listed in ``dropped_sample_ids``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_vlmbalance.packing.binpack import (
+    Packs,
+    pack_best_fit_decreasing,
+    pack_greedy,
+    packing_efficiency,
+)
+
+__all__ = ["EpochPlan", "PackingConfig", "apply_overlong_policy", "build_epoch_plan"]
+
+log = logging.getLogger(__name__)
+
+_OVERLONG = ("error", "skip", "truncate")
+_REMAINDER = ("pad", "drop")
+_PACKERS = ("greedy", "bfd", "budget")
+
+PADDING = -1  # pack id of a padding pack
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PackingConfig:
+    """How samples become packs. Identical on every rank (it is part of the plan's fingerprint).
+
+    Args:
+        seq_len: tokens per pack.
+        seed: base seed of the per-epoch shuffle.
+        shuffle: shuffle samples within each shard every epoch.
+        window: samples packed together (see ``pack_greedy``).
+        min_fill: fill below which a pack is dissolved once and retried in the next window.
+        overlong: policy for a sample longer than ``seq_len``: ``"error"`` (names the sample),
+            ``"skip"`` (counted and logged), ``"truncate"`` (text-only samples are cut to
+            ``seq_len``; a sample with images still raises, images are never cut).
+        remainder: ``"pad"`` or ``"drop"`` (see the module docstring).
+        packer: ``"greedy"`` (default), ``"bfd"`` (best-fit-decreasing baseline) or ``"budget"``
+            (best-fit-decreasing with ``image_budget`` image tokens per pack: the load-balancing
+            baseline whose packing efficiency collapses).
+        image_budget: image tokens allowed per pack with ``packer="budget"``.
+    """
+
+    seq_len: int
+    seed: int = 0
+    shuffle: bool = True
+    window: int = 4096
+    min_fill: float = 0.98
+    overlong: str = "error"
+    remainder: str = "pad"
+    packer: str = "greedy"
+    image_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"`PackingConfig(seq_len={self.seq_len!r})` must be >= 1")
+        if self.window < 1:
+            raise ValueError(f"`PackingConfig(window={self.window!r})` must be >= 1")
+        if self.overlong not in _OVERLONG:
+            raise ValueError(
+                f"`PackingConfig(overlong={self.overlong!r})` is not one of {_OVERLONG}"
+            )
+        if self.remainder not in _REMAINDER:
+            raise ValueError(
+                f"`PackingConfig(remainder={self.remainder!r})` is not one of {_REMAINDER}"
+            )
+        if self.packer not in _PACKERS:
+            raise ValueError(f"`PackingConfig(packer={self.packer!r})` is not one of {_PACKERS}")
+        if (self.packer == "budget") != (self.image_budget is not None):
+            raise ValueError(
+                "`PackingConfig(image_budget=...)` is required with, and only with, packer='budget'"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class EpochPlan:
+    """One epoch's packs on every rank.
+
+    ``rank_packs[r][k]`` is the array of sample ids that rank ``r`` computes at its ``k``-th step
+    (empty for a padding pack) and ``rank_pack_ids[r][k]`` the pack's id, unique in the epoch
+    (``-1`` for a padding pack). Every rank has the same number of packs.
+    """
+
+    epoch: int
+    world_size: int
+    rank_packs: list[list[np.ndarray]]
+    rank_pack_ids: list[list[int]]
+    pack_tokens: np.ndarray  # tokens of each real pack, by pack id
+    seq_len: int
+    moved_packs: int = 0
+    padding_packs: int = 0
+    dropped_sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    skipped_sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    truncated_sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def packs_per_rank(self) -> int:
+        return len(self.rank_packs[0]) if self.rank_packs else 0
+
+    @property
+    def efficiency(self) -> float:
+        """Packing efficiency of the real packs (sample tokens / (packs x seq_len))."""
+        return packing_efficiency(self.pack_tokens, self.seq_len)
+
+    @property
+    def dropped_samples(self) -> int:
+        return len(self.dropped_sample_ids)
+
+    def sample_ids(self) -> np.ndarray:
+        """Every sample id computed this epoch, over all ranks (for coverage checks)."""
+        parts = [p for packs in self.rank_packs for p in packs]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def apply_overlong_policy(
+    total_tokens: np.ndarray, image_tokens: np.ndarray, seq_len: int, policy: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Applies the over-long policy to a length table.
+
+    Returns:
+        ``(effective_lengths, skipped_ids, truncated_ids)``; skipped samples keep their length in
+        ``effective_lengths`` but must not be packed.
+
+    Raises:
+        ValueError: naming the first offending sample, for ``"error"``, or for a sample with image
+            tokens under ``"truncate"``.
+    """
+    over = np.flatnonzero(total_tokens > seq_len)
+    empty = np.zeros(0, np.int64)
+    if len(over) == 0:
+        return total_tokens, empty, empty
+    i = int(over[0])
+    if policy == "error":
+        raise ValueError(
+            f"sample {i} has {int(total_tokens[i])} tokens, more than `seq_len={seq_len}`"
+            f" ({len(over)} such samples). Pass `overlong='skip'` to leave them out (counted),"
+            " `overlong='truncate'` to cut text-only samples, or raise `seq_len`."
+        )
+    if policy == "skip":
+        log.warning(
+            "Skipping %d samples longer than seq_len=%d (first: sample %d with %d tokens).",
+            len(over),
+            seq_len,
+            i,
+            int(total_tokens[i]),
+        )
+        return total_tokens, over.astype(np.int64), empty
+    with_images = over[image_tokens[over] > 0]
+    if len(with_images):
+        j = int(with_images[0])
+        raise ValueError(
+            f"sample {j} has {int(total_tokens[j])} tokens ({int(image_tokens[j])} image tokens),"
+            f" more than `seq_len={seq_len}`, and `overlong='truncate'` never cuts a sample with"
+            " images. Use `overlong='skip'` or raise `seq_len`."
+        )
+    log.warning(
+        "Truncating %d text-only samples longer than seq_len=%d (first: sample %d, %d tokens).",
+        len(over),
+        seq_len,
+        i,
+        int(total_tokens[i]),
+    )
+    effective = total_tokens.copy()
+    effective[over] = seq_len
+    return effective, empty, over.astype(np.int64)
+
+
+def check_length_table(total_tokens: np.ndarray, image_tokens: np.ndarray) -> None:
+    """Validates a length table; raises ``ValueError`` naming the first bad sample."""
+    if total_tokens.ndim != 1 or image_tokens.shape != total_tokens.shape:
+        raise ValueError(
+            f"length table columns must be 1-D and of equal length, got total_tokens "
+            f"{tuple(total_tokens.shape)} and image_tokens {tuple(image_tokens.shape)}"
+        )
+    if len(total_tokens) == 0:
+        raise ValueError("the dataset is empty: its length table has no samples")
+    bad = np.flatnonzero(total_tokens < 1)
+    if len(bad):
+        raise ValueError(f"sample {int(bad[0])} has {int(total_tokens[bad[0]])} tokens (< 1)")
+    bad = np.flatnonzero((image_tokens < 0) | (image_tokens > total_tokens))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"sample {i} has {int(image_tokens[i])} image tokens but {int(total_tokens[i])} tokens"
+            " in all: image tokens must be in [0, total_tokens]"
+        )
+
+
+def _pack_shard(
+    ids: np.ndarray, lengths: np.ndarray, image_tokens: np.ndarray, config: PackingConfig
+) -> Packs:
+    if config.packer == "greedy":
+        return pack_greedy(lengths, config.seq_len, window=config.window, min_fill=config.min_fill)
+    if config.packer == "bfd":
+        return pack_best_fit_decreasing(lengths, config.seq_len, window=config.window)
+    return pack_best_fit_decreasing(
+        lengths,
+        config.seq_len,
+        window=config.window,
+        image_tokens=image_tokens,
+        image_budget=config.image_budget,
+    )
+
+
+def build_epoch_plan(
+    total_tokens: np.ndarray,
+    image_tokens: np.ndarray,
+    config: PackingConfig,
+    *,
+    world_size: int,
+    epoch: int,
+) -> EpochPlan:
+    """Builds the packing plan of one epoch; the same inputs give the same plan on every rank.
+
+    Raises:
+        ValueError: for a bad length table, an over-long sample under ``overlong="error"``, or a
+            shard too small to give every rank a sample.
+    """
+    total_tokens = np.asarray(total_tokens, dtype=np.int64)
+    image_tokens = np.asarray(image_tokens, dtype=np.int64)
+    check_length_table(total_tokens, image_tokens)
+    if world_size < 1:
+        raise ValueError(f"`world_size={world_size!r}` must be >= 1")
+    n = len(total_tokens)
+    if n < world_size:
+        raise ValueError(
+            f"the dataset has {n} samples, fewer than the {world_size} ranks: some rank's shard"
+            " would be empty"
+        )
+    lengths, skipped, truncated = apply_overlong_policy(
+        total_tokens, image_tokens, config.seq_len, config.overlong
+    )
+    keep = np.ones(n, dtype=bool)
+    keep[skipped] = False
+
+    bounds = np.linspace(0, n, world_size + 1).astype(np.int64)  # contiguous shards
+    shard_packs: list[list[np.ndarray]] = []
+    shard_ids: list[list[int]] = []
+    tokens: list[np.ndarray] = []
+    next_id = 0
+    for r in range(world_size):
+        ids = np.arange(bounds[r], bounds[r + 1], dtype=np.int64)
+        ids = ids[keep[ids]]
+        if config.shuffle:
+            rng = np.random.default_rng([config.seed, epoch, r])
+            ids = ids[rng.permutation(len(ids))]
+        packs = _pack_shard(ids, lengths[ids], image_tokens[ids], config)
+        shard_packs.append([ids[packs[k]] for k in range(len(packs))])
+        shard_ids.append(list(range(next_id, next_id + len(packs))))
+        tokens.append(packs.tokens(lengths[ids]))
+        next_id += len(packs)
+    pack_tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
+
+    total = next_id
+    if total == 0:
+        raise ValueError("no sample is left to pack (every sample was skipped)")
+    if config.remainder == "pad":
+        target = -(-total // world_size)
+    else:
+        target = total // world_size
+        if target == 0:
+            raise ValueError(
+                f"only {total} packs for {world_size} ranks: `remainder='drop'` would drop them"
+                " all; use `remainder='pad'`"
+            )
+    moved, leftover = _equalize(shard_packs, shard_ids, target)
+    padding = 0
+    for r in range(world_size):  # "pad": deficits (W * target - total packs in all)
+        while len(shard_packs[r]) < target:
+            shard_packs[r].append(np.zeros(0, np.int64))
+            shard_ids[r].append(PADDING)
+            padding += 1
+    dropped = np.concatenate([pack for pack, _ in leftover]) if leftover else np.zeros(0, np.int64)
+    if leftover:
+        log.warning(
+            "Dropping %d packs (%d samples) so that every rank has %d packs in epoch %d"
+            " (`remainder='drop'`).",
+            len(leftover),
+            len(dropped),
+            target,
+            epoch,
+        )
+    return EpochPlan(
+        epoch=epoch,
+        world_size=world_size,
+        rank_packs=shard_packs,
+        rank_pack_ids=shard_ids,
+        pack_tokens=pack_tokens,
+        seq_len=config.seq_len,
+        moved_packs=moved,
+        padding_packs=padding,
+        dropped_sample_ids=dropped,
+        skipped_sample_ids=skipped,
+        truncated_sample_ids=truncated,
+    )
+
+
+def _equalize(
+    rank_packs: list[list[np.ndarray]], rank_ids: list[list[int]], target: int
+) -> tuple[int, list[tuple[np.ndarray, int]]]:
+    """Moves packs above ``target`` (from the end of a rank's list) to the ranks with the fewest.
+
+    Returns the number of packs moved and the packs left over once every rank has ``target``.
+    """
+    surplus: list[tuple[np.ndarray, int]] = []
+    for packs, ids in zip(rank_packs, rank_ids):  # in rank order, each rank's in its own order
+        surplus.extend(zip(packs[target:], ids[target:]))
+        del packs[target:], ids[target:]
+    moved = 0
+    while moved < len(surplus):
+        r = min(range(len(rank_packs)), key=lambda q: (len(rank_packs[q]), q))
+        if len(rank_packs[r]) >= target:
+            break
+        pack, pid = surplus[moved]
+        rank_packs[r].append(pack)
+        rank_ids[r].append(pid)
+        moved += 1
+    return moved, surplus[moved:]

@@ -1,0 +1,295 @@
+"""``PackingSampler`` and ``PackedDataLoader``: distributed, deterministic, resumable packing.
+
+The sampler holds the dataset's length table and computes the epoch plan
+(:func:`~lightning_vlmbalance.packing.plan.build_epoch_plan`) that is identical on every rank. The
+loader is what a Lightning ``*_dataloader`` hook returns: it runs a torch ``DataLoader`` (workers,
+pinned memory) over the packs of this rank and is *stateful* for Lightning, so a mid-epoch
+checkpoint resumes with exactly the remaining packs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lightning_vlmbalance.packing.collate import PackCollator
+from lightning_vlmbalance.packing.plan import PADDING, EpochPlan, PackingConfig, build_epoch_plan
+
+__all__ = ["PackedDataLoader", "PackingSampler"]
+
+log = logging.getLogger(__name__)
+
+
+def _dist_default(value: int | None, fn_name: str, fallback: int) -> int:
+    if value is not None:
+        return value
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return getattr(torch.distributed, fn_name)()
+    return fallback
+
+
+class PackingSampler(Sampler[list[int]]):
+    """Yields this rank's packs (lists of sample indices) of the current epoch.
+
+    Every rank computes the same plan from the length table, so every rank yields the same number
+    of packs per epoch without any collective. Rank ``r`` reads the contiguous shard ``r`` of the
+    samples (plus the few packs handed over to even out pack counts). A padding pack (see
+    ``remainder``) is yielded as an empty list.
+
+    Args:
+        total_tokens: tokens of each sample (the length table), images included.
+        image_tokens: image tokens of each sample (zeros if ``None``).
+        seq_len: tokens per pack.
+        num_replicas: data-parallel ranks (default: the initialised process group's world size).
+        rank: this rank (default: the process group's rank).
+        seed, shuffle, window, min_fill, overlong, remainder, packer, image_budget: see
+            :class:`~lightning_vlmbalance.packing.plan.PackingConfig`.
+
+    Raises:
+        ValueError: for a bad length table or setting, naming the sample or the setting.
+
+    Example::
+
+        sampler = PackingSampler(table.total_tokens, table.image_tokens, seq_len=8192)
+        sampler.set_epoch(epoch)
+        for sample_ids in sampler: ...
+    """
+
+    def __init__(
+        self,
+        total_tokens: Sequence[int] | np.ndarray,
+        image_tokens: Sequence[int] | np.ndarray | None = None,
+        *,
+        seq_len: int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        window: int = 4096,
+        min_fill: float = 0.98,
+        overlong: str = "error",
+        remainder: str = "pad",
+        packer: str = "greedy",
+        image_budget: int | None = None,
+    ) -> None:
+        self.total_tokens = np.asarray(total_tokens, dtype=np.int64)
+        self.image_tokens = (
+            np.zeros_like(self.total_tokens)
+            if image_tokens is None
+            else np.asarray(image_tokens, dtype=np.int64)
+        )
+        self.config = PackingConfig(
+            seq_len=seq_len,
+            seed=seed,
+            shuffle=shuffle,
+            window=window,
+            min_fill=min_fill,
+            overlong=overlong,
+            remainder=remainder,
+            packer=packer,
+            image_budget=image_budget,
+        )
+        self.num_replicas = _dist_default(num_replicas, "get_world_size", 1)
+        self.rank = _dist_default(rank, "get_rank", 0)
+        if not 0 <= self.rank < self.num_replicas:
+            raise ValueError(
+                f"`PackingSampler(rank={self.rank}, num_replicas={self.num_replicas})`:"
+                " rank must be in [0, num_replicas)"
+            )
+        self.epoch = 0
+        self._plan: EpochPlan | None = None
+        self.plan()  # validate the table and the settings now, not in the first step
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch whose plan is yielded (Lightning calls this every epoch)."""
+        self.epoch = epoch
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        """The packing plan of ``epoch`` (default: the current one), cached for the last epoch."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._plan is None or self._plan.epoch != epoch:
+            plan = build_epoch_plan(
+                self.total_tokens,
+                self.image_tokens,
+                self.config,
+                world_size=self.num_replicas,
+                epoch=epoch,
+            )
+            if epoch != self.epoch:
+                return plan
+            self._plan = plan
+        return self._plan
+
+    def pack_refs(self, start: int = 0) -> list[tuple[int, np.ndarray]]:
+        """``(pack_id, sample_ids)`` of this rank's packs from position ``start`` on."""
+        plan = self.plan()
+        return list(zip(plan.rank_pack_ids[self.rank][start:], plan.rank_packs[self.rank][start:]))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _, ids in self.pack_refs():
+            yield ids.tolist()
+
+    def __len__(self) -> int:
+        return self.plan().packs_per_rank
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must match for a saved position to mean the same packs after a resume."""
+        return {
+            "num_samples": len(self.total_tokens),
+            "num_replicas": self.num_replicas,
+            "total_tokens_sum": int(self.total_tokens.sum()),
+            "image_tokens_sum": int(self.image_tokens.sum()),
+            **{k: getattr(self.config, k) for k in self.config.__slots__},
+        }
+
+
+class _PackDataset(Dataset):
+    """Fetches the samples of a pack and checks each against the length table."""
+
+    def __init__(self, dataset: Dataset, sampler: PackingSampler) -> None:
+        self.dataset = dataset
+        self.total_tokens = sampler.total_tokens
+        self.image_tokens = sampler.image_tokens
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int, dict | None]:
+        pack_id, index = key
+        if pack_id == PADDING:
+            return pack_id, -1, None
+        sample = self.dataset[index]
+        n = len(sample["input_ids"])
+        pix = sample.get("pixel_values")
+        n_image = 0 if pix is None else len(pix)
+        if n != self.total_tokens[index] or n_image != self.image_tokens[index]:
+            raise ValueError(
+                f"sample {index} has {n} tokens ({n_image} image tokens) but the length table"
+                f" says {int(self.total_tokens[index])} ({int(self.image_tokens[index])}): the"
+                " length table does not match the dataset"
+            )
+        return pack_id, index, sample
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class _PackRefs(Sampler[list[tuple[int, int]]]):
+    """The batch sampler handed to the inner ``DataLoader``: one batch = one pack."""
+
+    def __init__(self, refs: list[tuple[int, np.ndarray]]) -> None:
+        self.refs = refs
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for pack_id, ids in self.refs:
+            yield [(pack_id, i) for i in ids.tolist()] if pack_id != PADDING else [(PADDING, -1)]
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+
+class PackedDataLoader:
+    """A Lightning-ready, resumable loader of packed batches (one pack per batch).
+
+    It is not a ``torch.utils.data.DataLoader`` subclass on purpose: Lightning leaves it alone (no
+    ``DistributedSampler`` injection, so it works with the default
+    ``Trainer(use_distributed_sampler=True)``), calls ``set_epoch`` on its ``sampler`` every epoch,
+    and saves/restores its ``state_dict`` in checkpoints, which resumes mid-epoch with exactly the
+    remaining packs.
+
+    Args:
+        dataset: map-style dataset of samples (see :mod:`~lightning_vlmbalance.packing.collate`).
+        sampler: the :class:`PackingSampler` over the dataset's length table.
+        collate_fn: defaults to ``PackCollator(sampler.config.seq_len)``.
+        lookahead: batches the consumer has fetched but not yet used when it saves state.
+            Lightning's training loop fetches one batch ahead (1, the default); use 0 when you
+            iterate the loader yourself.
+        **dataloader_kwargs: passed to the inner ``DataLoader`` (``num_workers``,
+            ``pin_memory``, ``persistent_workers``, ``prefetch_factor``, ...).
+
+    Raises:
+        ValueError: if the dataset and the sampler's length table disagree in size.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: PackingSampler,
+        collate_fn: PackCollator | None = None,
+        *,
+        lookahead: int = 1,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        if len(dataset) != len(sampler.total_tokens):
+            raise ValueError(
+                f"the dataset has {len(dataset)} samples but the sampler's length table has"
+                f" {len(sampler.total_tokens)}: the length table does not match the dataset"
+            )
+        for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+            if key in dataloader_kwargs:
+                raise ValueError(f"`PackedDataLoader({key}=...)` is decided by the PackingSampler")
+        self.dataset = dataset
+        self.sampler = sampler
+        self.collate_fn = collate_fn or PackCollator(sampler.config.seq_len)
+        self.lookahead = lookahead
+        self.dataloader_kwargs = dataloader_kwargs
+        self._resume_epoch: int | None = None
+        self._resume_at = 0
+        self._start = 0
+        self._delivered = 0
+        self._exhausted = False
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        start = 0
+        if self._resume_epoch is not None:
+            if self._resume_epoch == self.sampler.epoch:
+                start = self._resume_at
+            self._resume_epoch = None
+        self._start, self._delivered, self._exhausted = start, 0, False
+        loader = DataLoader(
+            _PackDataset(self.dataset, self.sampler),
+            batch_sampler=_PackRefs(self.sampler.pack_refs(start)),
+            collate_fn=self.collate_fn,
+            **self.dataloader_kwargs,
+        )
+        return self._count(iter(loader))
+
+    def _count(self, it: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for batch in it:
+            self._delivered += 1
+            yield batch
+        self._exhausted = True
+
+    @property
+    def consumed(self) -> int:
+        """Packs of the current epoch the consumer has used (delivered minus the lookahead)."""
+        pending = 0 if self._exhausted else min(self.lookahead, self._delivered)
+        return self._start + self._delivered - pending
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.sampler.epoch,
+            "consumed": self.consumed,
+            "fingerprint": self.sampler.fingerprint(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved, current = state_dict["fingerprint"], self.sampler.fingerprint()
+        diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+        if diff:
+            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(
+                "cannot resume the PackedDataLoader: the packing settings or the dataset changed"
+                f" since the checkpoint ({detail})"
+            )
+        self._resume_epoch = int(state_dict["epoch"])
+        self._resume_at = int(state_dict["consumed"])
+        self.sampler.set_epoch(self._resume_epoch)
+        log.info(
+            "PackedDataLoader resumes epoch %d at pack %d", self._resume_epoch, self._resume_at
+        )

@@ -1,0 +1,154 @@
+"""A small built-in multimodal data generator, shaped like real SFT statistics (torch + numpy).
+
+The real InternVL-style sets in the project's benchmarks (ai2d, chartqa, docvqa, synthdog) tile each
+image into 1, 3, 4 or 5 tiles of 256 tokens (in proportions of about 9%, 34%, 1% and 56%) and add a
+text part of a few dozen to a few hundred tokens; text-only chat samples are log-normally spread and
+capped. ``synthetic_length_table`` draws from that shape at any scale (``tile_tokens`` sets the
+tokens per tile, so a CPU example can use small packs), and ``SyntheticVLMDataset`` turns a length
+table into real samples: token ids, one image's patch features, image-token positions, labels.
+The examples and tests use it, so nothing here needs the benchmark data.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["LengthTable", "SyntheticVLMDataset", "read_length_csv", "synthetic_length_table"]
+
+# tiles per image and their frequencies, from the per-sample statistics of the four sets above
+_TILES = np.array([1, 3, 4, 5])
+_TILE_P = np.array([0.09, 0.34, 0.01, 0.56])
+
+
+@dataclass(frozen=True, slots=True)
+class LengthTable:
+    """Per-sample ``total_tokens`` (images included), ``image_tokens`` and ``images``."""
+
+    total_tokens: np.ndarray
+    image_tokens: np.ndarray
+    images: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.total_tokens)
+
+
+def synthetic_length_table(
+    num_samples: int,
+    *,
+    text_share: float = 0.2,
+    tile_tokens: int = 256,
+    max_text_tokens: int = 2048,
+    seed: int = 0,
+) -> LengthTable:
+    """Draws a length table shaped like a real multimodal SFT mix.
+
+    Args:
+        num_samples: samples to draw.
+        text_share: fraction of text-only samples.
+        tile_tokens: image tokens per tile (256 in InternVL; smaller for CPU examples).
+        max_text_tokens: cap of a text-only sample (text parts of image samples scale with
+            ``tile_tokens``).
+        seed: generator seed.
+    """
+    if num_samples < 0 or not 0.0 <= text_share <= 1.0 or tile_tokens < 1:
+        raise ValueError(
+            f"`synthetic_length_table(num_samples={num_samples}, text_share={text_share},"
+            f" tile_tokens={tile_tokens})`: need num_samples >= 0, text_share in [0, 1],"
+            " tile_tokens >= 1"
+        )
+    rng = np.random.default_rng(seed)
+    is_text = rng.random(num_samples) < text_share
+    tiles = rng.choice(_TILES, size=num_samples, p=_TILE_P)
+    image_tokens = np.where(is_text, 0, tiles * tile_tokens)
+    scale = tile_tokens / 256
+    # text part of an image sample: ~40-400 tokens at 256 tokens per tile (log-normal)
+    caption = np.clip(rng.lognormal(np.log(110), 0.7, num_samples) * scale, 2, None)
+    # a text-only sample: log-normal around a few hundred tokens, capped
+    chat = np.clip(rng.lognormal(np.log(700), 0.9, num_samples) * scale, 8, max_text_tokens)
+    total = np.where(is_text, chat, image_tokens + caption).astype(np.int64)
+    return LengthTable(
+        total_tokens=total,
+        image_tokens=image_tokens.astype(np.int64),
+        images=(~is_text).astype(np.int64),
+    )
+
+
+def read_length_csv(*paths: str | Path) -> LengthTable:
+    """Reads length tables in the shared CSV format (``total_tokens,image_tokens,images``)."""
+    cols: dict[str, list[int]] = {"total_tokens": [], "image_tokens": [], "images": []}
+    for path in paths:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            missing = set(cols) - set(reader.fieldnames or ())
+            if missing:
+                raise ValueError(f"{path}: missing columns {sorted(missing)}")
+            for row in reader:
+                for k in cols:
+                    cols[k].append(int(row[k]))
+    return LengthTable(**{k: np.asarray(v, dtype=np.int64) for k, v in cols.items()})
+
+
+class SyntheticVLMDataset(Dataset):
+    """Deterministic samples for a length table: item ``i`` depends only on ``(seed, i)``.
+
+    A sample with images starts with a BOS token, then its image tokens (placeholder id
+    ``image_token_id``, one row of ``pixel_values`` each, images one after the other), then text.
+    Text tokens follow a simple learnable rule (an arithmetic sequence modulo the vocabulary, with
+    10% random tokens) so a model's loss visibly falls.
+
+    Args:
+        table: the length table (total and image tokens, images per sample).
+        vocab_size: token ids are in ``[2, vocab_size)``; 0 is padding, 1 is the image placeholder.
+        patch_dim: features per image token.
+        seed: base seed.
+    """
+
+    image_token_id = 1
+
+    def __init__(
+        self, table: LengthTable, *, vocab_size: int = 256, patch_dim: int = 32, seed: int = 0
+    ) -> None:
+        if vocab_size < 4:
+            raise ValueError(f"`SyntheticVLMDataset(vocab_size={vocab_size})` must be >= 4")
+        self.table = table
+        self.vocab_size = vocab_size
+        self.patch_dim = patch_dim
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        n = int(self.table.total_tokens[index])
+        n_image = int(self.table.image_tokens[index])
+        n_images = int(self.table.images[index]) if n_image else 0
+        rng = np.random.default_rng([self.seed, int(index)])
+        text = n - n_image
+        # an arithmetic sequence mod V (the step is readable from the context) with 10% noise
+        v = self.vocab_size - 2
+        start, step = rng.integers(v), rng.integers(1, 8)
+        seq = (start + step * np.arange(text)) % v
+        noise = rng.random(text) < 0.1
+        seq[noise] = rng.integers(v, size=int(noise.sum()))
+        tokens = torch.from_numpy(seq + 2).long()
+        if n_image == 0:
+            return {"input_ids": tokens}
+        input_ids = torch.cat(
+            [tokens[:1], torch.full((n_image,), self.image_token_id, dtype=torch.long), tokens[1:]]
+        )
+        sizes = [n_image // n_images] * n_images
+        sizes[-1] += n_image - sum(sizes)
+        return {
+            "input_ids": input_ids,
+            "pixel_values": torch.from_numpy(
+                rng.standard_normal((n_image, self.patch_dim), dtype=np.float32)
+            ),
+            "image_sizes": torch.tensor(sizes),
+            "image_positions": torch.arange(1, 1 + n_image),
+        }
