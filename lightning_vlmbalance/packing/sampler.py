@@ -203,9 +203,6 @@ class PackedDataLoader:
         dataset: map-style dataset of samples (see :mod:`~lightning_vlmbalance.packing.collate`).
         sampler: the :class:`PackingSampler` over the dataset's length table.
         collate_fn: defaults to ``PackCollator(sampler.config.seq_len)``.
-        lookahead: batches the consumer has fetched but not yet used when it saves state.
-            Lightning's training loop fetches one batch ahead (1, the default); use 0 when you
-            iterate the loader yourself.
         **dataloader_kwargs: passed to the inner ``DataLoader`` (``num_workers``,
             ``pin_memory``, ``persistent_workers``, ``prefetch_factor``, ...).
 
@@ -218,8 +215,6 @@ class PackedDataLoader:
         dataset: Dataset,
         sampler: PackingSampler,
         collate_fn: PackCollator | None = None,
-        *,
-        lookahead: int = 1,
         **dataloader_kwargs: Any,
     ) -> None:
         if len(dataset) != len(sampler.total_tokens):
@@ -233,13 +228,11 @@ class PackedDataLoader:
         self.dataset = dataset
         self.sampler = sampler
         self.collate_fn = collate_fn or PackCollator(sampler.config.seq_len)
-        self.lookahead = lookahead
         self.dataloader_kwargs = dataloader_kwargs
         self._resume_epoch: int | None = None
         self._resume_at = 0
         self._start = 0
         self._delivered = 0
-        self._exhausted = False
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -250,7 +243,7 @@ class PackedDataLoader:
             if self._resume_epoch == self.sampler.epoch:
                 start = self._resume_at
             self._resume_epoch = None
-        self._start, self._delivered, self._exhausted = start, 0, False
+        self._start, self._delivered = start, 0
         loader = DataLoader(
             _PackDataset(self.dataset, self.sampler),
             batch_sampler=_PackRefs(self.sampler.pack_refs(start)),
@@ -263,13 +256,15 @@ class PackedDataLoader:
         for batch in it:
             self._delivered += 1
             yield batch
-        self._exhausted = True
 
     @property
     def consumed(self) -> int:
-        """Packs of the current epoch the consumer has used (delivered minus the lookahead)."""
-        pending = 0 if self._exhausted else min(self.lookahead, self._delivered)
-        return self._start + self._delivered - pending
+        """Packs of the current epoch handed to the consumer.
+
+        Lightning's training loop does not fetch ahead of a loader whose length it knows (this
+        one), so when it saves a checkpoint every delivered pack has been trained on.
+        """
+        return self._start + self._delivered
 
     def state_dict(self) -> dict[str, Any]:
         return {

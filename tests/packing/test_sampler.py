@@ -1,0 +1,130 @@
+"""PackingSampler and PackedDataLoader outside Lightning: resume, epochs, mismatches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lightning_vlmbalance as vb
+
+
+def _setup(n: int = 400, rank: int = 0, world_size: int = 2, **kw):
+    table = vb.synthetic_length_table(n, tile_tokens=8, max_text_tokens=64, seed=5)
+    ds = vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    sampler = vb.PackingSampler(
+        table.total_tokens,
+        table.image_tokens,
+        seq_len=128,
+        num_replicas=world_size,
+        rank=rank,
+        window=50,
+        **kw,
+    )
+    loader = vb.PackedDataLoader(ds, sampler, vb.PackCollator(128, image_feature_shape=(4,)))
+    return table, ds, sampler, loader
+
+
+def _ids(loader) -> list[int]:
+    return [b["meta"]["pack_id"] for b in loader]
+
+
+def test_sampler_yields_the_plan_of_its_rank() -> None:
+    _, _, s0, _ = _setup(rank=0)
+    _, _, s1, _ = _setup(rank=1)
+    packs = list(s0) + list(s1)
+    assert len(list(s0)) == len(list(s1)) == len(s0)
+    assert sorted(i for p in packs for i in p) == list(range(400))
+
+
+@settings(max_examples=15, deadline=None)
+@given(k=st.integers(0, 40), epoch=st.integers(0, 2))
+def test_resume_after_k_packs_yields_exactly_the_rest(k: int, epoch: int) -> None:
+    """Resume after k packs yields exactly the remaining sequence."""
+    _, _, sampler, loader = _setup(rank=1)
+    sampler.set_epoch(epoch)
+    full = _ids(loader)
+    k = min(k, len(full))
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    state = loader.state_dict()
+    assert state["consumed"] == k and state["epoch"] == epoch
+    _, _, _, fresh = _setup(rank=1)
+    fresh.load_state_dict(state)
+    assert _ids(fresh) == full[k:]
+    assert _ids(fresh) == full  # the resume position applies to one pass only
+
+
+def test_set_epoch_after_resume_of_an_older_epoch_starts_fresh() -> None:
+    _, _, sampler, loader = _setup()
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    _, _, s2, fresh = _setup()
+    fresh.load_state_dict(state)
+    s2.set_epoch(1)
+    sampler.set_epoch(1)
+    assert _ids(fresh) == _ids(loader)
+
+
+def test_epochs_reshuffle() -> None:
+    _, _, sampler, _ = _setup()
+    e0 = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != e0
+
+
+def test_config_mismatch_on_resume_is_named() -> None:
+    _, _, _, loader = _setup()
+    state = loader.state_dict()
+    _, _, _, other = _setup(seed=11)
+    with pytest.raises(ValueError, match="seed: saved 0, now 11"):
+        other.load_state_dict(state)
+
+
+def test_length_table_and_dataset_size_mismatch() -> None:
+    table, ds, sampler, _ = _setup()
+    short = torch.utils.data.Subset(ds, range(len(ds) - 1))
+    with pytest.raises(ValueError, match="399 samples but the sampler's length table has 400"):
+        vb.PackedDataLoader(short, sampler)
+
+
+def test_length_table_and_sample_mismatch_names_the_sample() -> None:
+    table, ds, _, _ = _setup(world_size=1)
+    wrong = table.total_tokens.copy()
+    wrong[7] += 1
+    sampler = vb.PackingSampler(wrong, table.image_tokens, seq_len=128, num_replicas=1, rank=0)
+    loader = vb.PackedDataLoader(ds, sampler, vb.PackCollator(128))
+    with pytest.raises(ValueError, match=r"sample 7 has \d+ tokens .* length table says"):
+        list(loader)
+
+
+def test_loader_refuses_settings_the_sampler_owns() -> None:
+    _, ds, sampler, _ = _setup()
+    with pytest.raises(ValueError, match="batch_size"):
+        vb.PackedDataLoader(ds, sampler, batch_size=2)
+
+
+def test_rank_out_of_range() -> None:
+    with pytest.raises(ValueError, match="rank=2, num_replicas=2"):
+        vb.PackingSampler(np.array([5, 5]), seq_len=8, num_replicas=2, rank=2)
+
+
+def test_padding_pack_is_empty_and_carries_no_loss() -> None:
+    """A rank one pack short gets a padding pack: no sample, no loss token."""
+    total = np.array([60, 60, 60])  # 3 packs for 2 ranks
+    ds_table = vb.LengthTable(
+        total_tokens=total, image_tokens=np.zeros(3, np.int64), images=np.zeros(3, np.int64)
+    )
+    ds = vb.SyntheticVLMDataset(ds_table, vocab_size=16)
+    batches = []
+    for rank in (0, 1):
+        sampler = vb.PackingSampler(total, seq_len=100, num_replicas=2, rank=rank, shuffle=False)
+        batches += list(vb.PackedDataLoader(ds, sampler, vb.PackCollator(100)))
+    pads = [b for b in batches if b["meta"]["padding"]]
+    assert len(batches) == 4 and len(pads) == 1
+    assert pads[0]["loss_tokens"] == 0 and pads[0]["meta"]["sample_ids"] == []
+    assert sorted(i for b in batches for i in b["meta"]["sample_ids"]) == [0, 1, 2]
