@@ -86,7 +86,7 @@ def test_config_mismatch_on_resume_is_named() -> None:
 
 
 def test_length_table_and_dataset_size_mismatch() -> None:
-    table, ds, sampler, _ = _setup()
+    _, ds, sampler, _ = _setup()
     short = torch.utils.data.Subset(ds, range(len(ds) - 1))
     with pytest.raises(ValueError, match="399 samples but the sampler's length table has 400"):
         vb.PackedDataLoader(short, sampler)
