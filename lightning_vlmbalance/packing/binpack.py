@@ -42,15 +42,16 @@ def _pack_window(lengths: list[int], seq_len: int) -> tuple[list[list[int]], lis
     head[1:] = np.cumsum(count_np)[:-1]
     head_l = head.tolist()
     count_l = count_np.tolist()
-    present = np.flatnonzero(count_np).tolist()  # sorted distinct lengths still available
+    is_present = count_np > 0  # by length; a bool mask scans fastest
+    present = np.flatnonzero(is_present).tolist()  # sorted distinct lengths still available
 
     def take(length: int) -> int:
         i = head_l[length]
         head_l[length] = i + 1
         c = count_l[length] - 1
         count_l[length] = c
-        count_np[length] = c
         if c == 0:
+            is_present[length] = False
             del present[bisect.bisect_left(present, length)]
         return order[i]
 
@@ -69,7 +70,7 @@ def _pack_window(lengths: list[int], seq_len: int) -> tuple[list[list[int]], lis
                 room -= length
         # 2) close the pack: best pair, else largest single, until nothing fits
         while present and room >= present[0]:
-            avail = count_np[: room + 1].nonzero()[0]
+            avail = is_present[: room + 1].nonzero()[0]
             single = int(avail[-1])
             best = 0
             half = int(avail.searchsorted(room >> 1, "right"))
