@@ -177,17 +177,21 @@ class _PackDataset(Dataset):
 
 
 class _PackRefs(Sampler[list[tuple[int, int]]]):
-    """The batch sampler handed to the inner ``DataLoader``: one batch = one pack."""
+    """The batch sampler of the inner ``DataLoader``: one batch = one pack.
 
-    def __init__(self, refs: list[tuple[int, np.ndarray]]) -> None:
-        self.refs = refs
+    It reads the packs to yield from its ``PackedDataLoader`` at each iteration, so one inner
+    ``DataLoader`` (and its persistent workers) serves every epoch and every resume position.
+    """
+
+    def __init__(self, owner: PackedDataLoader) -> None:
+        self.owner = owner
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for pack_id, ids in self.refs:
+        for pack_id, ids in self.owner._refs:
             yield [(pack_id, i) for i in ids.tolist()] if pack_id != PADDING else [(PADDING, -1)]
 
     def __len__(self) -> int:
-        return len(self.refs)
+        return len(self.owner._refs)
 
 
 class PackedDataLoader:
@@ -233,6 +237,8 @@ class PackedDataLoader:
         self._resume_at = 0
         self._start = 0
         self._delivered = 0
+        self._refs: list[tuple[int, np.ndarray]] = []
+        self._inner: DataLoader | None = None
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -244,13 +250,15 @@ class PackedDataLoader:
                 start = self._resume_at
             self._resume_epoch = None
         self._start, self._delivered = start, 0
-        loader = DataLoader(
-            _PackDataset(self.dataset, self.sampler),
-            batch_sampler=_PackRefs(self.sampler.pack_refs(start)),
-            collate_fn=self.collate_fn,
-            **self.dataloader_kwargs,
-        )
-        return self._count(iter(loader))
+        self._refs = self.sampler.pack_refs(start)
+        if self._inner is None:
+            self._inner = DataLoader(
+                _PackDataset(self.dataset, self.sampler),
+                batch_sampler=_PackRefs(self),
+                collate_fn=self.collate_fn,
+                **self.dataloader_kwargs,
+            )
+        return self._count(iter(self._inner))
 
     def _count(self, it: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         for batch in it:

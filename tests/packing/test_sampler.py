@@ -128,3 +128,26 @@ def test_padding_pack_is_empty_and_carries_no_loss() -> None:
     assert len(batches) == 4 and len(pads) == 1
     assert pads[0]["loss_tokens"] == 0 and pads[0]["meta"]["sample_ids"] == []
     assert sorted(i for b in batches for i in b["meta"]["sample_ids"]) == [0, 1, 2]
+
+
+def test_persistent_workers_serve_every_epoch_and_resume() -> None:
+    """One inner DataLoader (and its persistent worker) is reused across epochs and resumes."""
+    table, ds, sampler, _ = _setup(world_size=1)
+    loader = vb.PackedDataLoader(
+        ds, sampler, vb.PackCollator(128, image_feature_shape=(4,)), num_workers=1,
+        persistent_workers=True,
+    )
+    e0 = _ids(loader)
+    worker_iter = loader._inner._iterator
+    sampler.set_epoch(1)
+    e1 = _ids(loader)
+    assert loader._inner._iterator is worker_iter
+    assert sorted(e0) == sorted(e1) == list(range(len(sampler)))
+    seen = [i for b in loader for i in b["meta"]["sample_ids"]]
+    assert sorted(seen) == list(range(len(table)))
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    assert state["consumed"] == 2
+    loader.load_state_dict(state)
+    assert _ids(loader) == e1[2:]
