@@ -65,7 +65,8 @@ class VLMDataModule(L.LightningDataModule):
 class RunSummary(L.Callback):
     """Times the fit and counts the tokens every rank computed (known from the shared plan)."""
 
-    def __init__(self) -> None:
+    def __init__(self, monitor: vb.StragglerMonitor | None = None) -> None:
+        self.monitor = monitor
         self.start = 0.0
         self.summary: dict[str, Any] = {}
 
@@ -106,18 +107,28 @@ class RunSummary(L.Callback):
             "final_loss": round(float(trainer.callback_metrics.get("train/loss", float("nan"))), 4),
             "log_dir": trainer.logger.log_dir if trainer.logger else None,
         }
+        if self.monitor is not None:  # complete on rank 0 after the monitor's last gather
+            straggler = self.monitor.summary()
+            self.summary["slowest_rank"] = straggler["slowest_rank"]
+            self.summary["waste_frac"] = round(straggler["waste_frac"], 4)
         self._print()
 
     @rank_zero_only
     def _print(self) -> None:
         s = self.summary
-        print(
-            f"\nSummary: {s['ranks']} ranks, {s['optimizer_steps']} optimizer steps"
-            f" in {s['seconds']} s"
-            f" = {s['steps_per_s']} steps/s, {s['tokens_per_s']} tokens/s (all ranks),"
-            f" packing efficiency {s['packing_efficiency']:.2%}, final loss {s['final_loss']}."
-            f"\nTensorBoard logs: {s['log_dir']}  (tensorboard --logdir {s['log_dir']})"
-        )
+        lines = [
+            f"\nSummary: {s['ranks']} ranks, {s['optimizer_steps']} optimizer steps in"
+            f" {s['seconds']} s = {s['steps_per_s']} steps/s, {s['tokens_per_s']} tokens/s (all"
+            f" ranks), packing efficiency {s['packing_efficiency']:.2%}, final loss"
+            f" {s['final_loss']}."
+        ]
+        if "waste_frac" in s:
+            lines.append(
+                f"Stragglers: slowest rank {s['slowest_rank']}; {s['waste_frac']:.1%} of rank-time"
+                " was spent waiting at synchronisation points."
+            )
+        lines.append(f"TensorBoard logs: {s['log_dir']}  (tensorboard --logdir {s['log_dir']})")
+        print("\n".join(lines))
         print("SUMMARY_JSON " + json.dumps(s))
 
 
@@ -181,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = ToyVLM(
         max_positions=args.seq_len, moe_experts=args.moe_experts, patch_dim=32, vocab_size=256
     )
-    summary = RunSummary()
+    monitor = vb.StragglerMonitor(log_every_n_steps=10)
+    summary = RunSummary(monitor)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -191,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         accumulate_grad_batches=args.accumulate,
         logger=TensorBoardLogger(Path(args.root), name="vlm"),
         log_every_n_steps=5,
-        callbacks=[summary],
+        callbacks=[monitor, summary],
         enable_checkpointing=False,
     )
     trainer.fit(model, datamodule=data)

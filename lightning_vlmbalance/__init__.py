@@ -5,11 +5,13 @@ Public API (everything else is private):
 - Packing-aware sampling: :class:`PackingSampler`, :class:`PackedDataLoader`,
   :class:`PackCollator`, :func:`pack_greedy` (see ``docs/packing.md``).
 - Packed attention: :func:`packed_attention` (see ``docs/packed_attention.md``).
+- Straggler timing: :class:`StragglerMonitor` (see ``docs/straggler_monitor.md``).
 - Synthetic data for examples and tests: :func:`synthetic_length_table`,
   :class:`SyntheticVLMDataset`, :func:`read_length_csv`.
 """
 
 from lightning_vlmbalance.attention import flash_attn_available, packed_attention
+from lightning_vlmbalance.callbacks import StragglerMonitor
 from lightning_vlmbalance.packing import (
     IGNORE_INDEX,
     EpochPlan,
@@ -41,6 +43,7 @@ __all__ = [
     "PackingConfig",
     "PackingSampler",
     "Packs",
+    "StragglerMonitor",
     "SyntheticVLMDataset",
     "build_epoch_plan",
     "flash_attn_available",

@@ -30,7 +30,8 @@ A ``PackedBatch`` is a plain dict (Lightning moves its tensors to the device):
 ``global_loss_tokens``    ``int``: targets in the whole global batch; equals ``loss_tokens``
                           until a rebalancing loader fills it in
 ``meta``                  ``dict``: ``pack_id``, ``sample_ids``, ``total_tokens``,
-                          ``image_tokens``, ``doc_lens``, ``images``, ``padding``
+                          ``image_tokens``, ``doc_lens``, ``images``, ``image_sizes``,
+                          ``padding``
 ========================  ===============================================================
 """
 
@@ -171,6 +172,7 @@ class PackCollator:
                 "image_tokens": sum(image_sizes),
                 "doc_lens": doc_lens,
                 "images": len(image_sizes),
+                "image_sizes": image_sizes,
                 "padding": not samples,
             },
         }

@@ -1,0 +1,5 @@
+"""Lightning callbacks: thin adapters over the framework-free cores."""
+
+from lightning_vlmbalance.callbacks.straggler_monitor import StragglerMonitor
+
+__all__ = ["StragglerMonitor"]

@@ -1,0 +1,422 @@
+"""``StragglerMonitor``: per-rank, per-phase step timing with the wait at every sync point."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_vlmbalance.timing import (
+    PHASES,
+    ResolvedStep,
+    StepTimer,
+    straggler_stats,
+    timed_comm_hook,
+)
+
+__all__ = ["StragglerMonitor"]
+
+log = logging.getLogger(__name__)
+
+_VISION_NAMES = (
+    "vision",
+    "vision_tower",
+    "vision_model",
+    "visual",
+    "vision_encoder",
+    "image_encoder",
+    "vit",
+)
+_LLM_NAMES = ("llm", "language_model", "text_model", "lm", "decoder")
+_SERIES = (*PHASES, "step")
+
+
+class StragglerMonitor(Callback):
+    """Times every rank's phases per optimizer step and shows who waits for whom in TensorBoard.
+
+    Per optimizer step and rank it measures ``data``, ``vision_fwd``, ``llm_fwd``, ``backward``,
+    ``optimizer``, ``sync_wait`` (waiting at the gradient all-reduce, timed with a DDP
+    communication hook that adds no collective), ``lightning_sync`` (Lightning's
+    per-micro-batch SIGTERM-flag broadcast, a barrier) and ``step``. It adds no collective and no
+    device synchronisation per step: on CUDA the phases are CUDA events read with ``query()``.
+    Every ``log_every_n_steps`` optimizer steps all ranks gather their means to rank 0 in one
+    small all-gather, and rank 0 logs:
+
+    ====================================  ====================================================
+    ``straggler/<phase>_ms/rank_<r>``     mean milliseconds per step of ``<phase>`` on rank r
+                                          (phases above and ``step``)
+    ``straggler/waste_frac``              waiting (``sync_wait`` + ``lightning_sync``) over
+                                          total rank-time
+    ``straggler/worst_rank``              rank with the most busy (non-waiting) time
+    ``straggler/max_over_median``         its busy time over the median rank's
+    ====================================  ====================================================
+
+    A TensorBoard custom-scalars layout shows each phase as one chart with one line per rank.
+    Every rank also appends its raw per-step times to ``<log_dir>/straggler/rank_<r>.jsonl``
+    (schema in ``docs/straggler_monitor.md``), the input of cost-model calibration.
+
+    Args:
+        log_every_n_steps: optimizer steps between gathers (and log points).
+        vision_module: the vision submodule (an ``nn.Module`` or a dotted name); ``None`` looks
+            for one named ``vision``, ``vision_tower``, ``vision_model``, ``visual``,
+            ``vision_encoder``, ``image_encoder`` or ``vit``; ``False`` disables it.
+        llm_module: the language submodule, likewise (``llm``, ``language_model``,
+            ``text_model``, ``lm``, ``decoder``). Vision forward nested inside it is excluded.
+        jsonl_dir: where the JSON-lines files go (default: ``<trainer.log_dir>/straggler``).
+
+    Raises:
+        ValueError: for ``log_every_n_steps < 1`` or a module name that does not exist.
+
+    Example::
+
+        trainer = L.Trainer(strategy="ddp", devices=8, callbacks=[StragglerMonitor()])
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int = 10,
+        vision_module: nn.Module | str | bool | None = None,
+        llm_module: nn.Module | str | bool | None = None,
+        jsonl_dir: str | Path | None = None,
+    ) -> None:
+        if log_every_n_steps < 1:
+            raise ValueError(
+                f"`StragglerMonitor(log_every_n_steps={log_every_n_steps!r})` must be >= 1"
+            )
+        self.log_every_n_steps = log_every_n_steps
+        self.vision_module = vision_module
+        self.llm_module = llm_module
+        self.jsonl_dir = jsonl_dir
+        self.timer = StepTimer()
+        self.jsonl_path: Path | None = None
+        self._file: Any = None
+        self._handles: list[Any] = []
+        self._patched: list[tuple[Any, str]] = []
+        self._restore_hook: tuple[DDPStrategy, Any] | None = None
+        self._window: list[ResolvedStep] = []
+        self._last_step = 0
+        self._failed = False
+        # over the whole run, per rank (known on rank 0 after each gather; checkpointed)
+        self.total_step_ms: np.ndarray = np.zeros(0)
+        self.total_wait_ms: np.ndarray = np.zeros(0)
+        self.steps_timed = 0
+        self.last_stats: dict[str, float] = {}
+
+    # -- set-up ------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.timer = StepTimer("cuda" if trainer.strategy.root_device.type == "cuda" else "cpu")
+        strategy = trainer.strategy
+        if isinstance(strategy, DDPStrategy) and strategy.root_device.type == "cuda":
+            # Lightning registers the strategy's comm hook on CUDA in strategy.setup(), which
+            # runs after this hook: wrap the user's hook (or the default) in place
+            self._restore_hook = (strategy, strategy._ddp_comm_hook)
+            strategy._ddp_comm_hook = timed_comm_hook(
+                self.timer.mark_sync_entry, strategy._ddp_comm_hook
+            )
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._failed = False
+        self._last_step = trainer.global_step
+        world = trainer.world_size
+        if len(self.total_step_ms) != world:
+            self.total_step_ms, self.total_wait_ms = np.zeros(world), np.zeros(world)
+        vision = _resolve_module(pl_module, self.vision_module, _VISION_NAMES, "vision_module")
+        llm = _resolve_module(pl_module, self.llm_module, _LLM_NAMES, "llm_module")
+        for module, phase in ((vision, "vision_fwd"), (llm, "llm_fwd")):
+            if module is not None:
+                self._hook_forward(trainer, module, phase)
+        for optimizer in trainer.optimizers:
+            self._handles.append(
+                optimizer.register_step_post_hook(lambda *_: self.timer.stop("optimizer"))
+            )
+        self._patch_loop(trainer)
+        self._register_cpu_comm_hook(trainer)
+        directory = Path(self.jsonl_dir) if self.jsonl_dir else None
+        if directory is None:
+            log_dir = trainer.log_dir  # a broadcast from rank 0: every rank calls it here
+            directory = Path(log_dir or trainer.default_root_dir) / "straggler"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = directory / f"rank_{trainer.global_rank}.jsonl"
+        self._file = open(self.jsonl_path, "a")
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_custom_scalars(custom_scalars_layout())
+
+    def _hook_forward(self, trainer: L.Trainer, module: nn.Module, phase: str) -> None:
+        timer = self.timer
+
+        def pre(mod: nn.Module, args: Any) -> None:
+            # not during validation, nor a recomputation inside backward (checkpointing)
+            if trainer.training and torch._C._current_graph_task_id() == -1:
+                timer.start(phase)
+
+        def post(mod: nn.Module, args: Any, out: Any) -> None:
+            timer.stop(phase)
+
+        self._handles.append(module.register_forward_pre_hook(pre))
+        self._handles.append(module.register_forward_hook(post))
+
+    def _patch_loop(self, trainer: L.Trainer) -> None:
+        """Times Lightning's data fetch and its per-micro-batch SIGTERM broadcast."""
+        loop = trainer.fit_loop.epoch_loop
+        timer = self.timer
+        before, after = loop._on_before_fetch, loop._on_after_fetch
+        broadcast = loop._broadcast_sigterm_tensor
+
+        def on_before_fetch() -> None:
+            before()
+            timer.start("data", host=True)
+
+        def on_after_fetch() -> None:
+            timer.stop("data")
+            after()
+
+        def timed_broadcast() -> None:
+            timer.start("lightning_sync", host=True)
+            try:
+                broadcast()
+            finally:
+                timer.stop("lightning_sync")
+
+        for name, fn in (
+            ("_on_before_fetch", on_before_fetch),
+            ("_on_after_fetch", on_after_fetch),
+            ("_broadcast_sigterm_tensor", timed_broadcast),
+        ):
+            setattr(loop, name, fn)  # instance attributes shadow the methods until teardown
+            self._patched.append((loop, name))
+
+    def _register_cpu_comm_hook(self, trainer: L.Trainer) -> None:
+        strategy, model = trainer.strategy, trainer.strategy.model
+        if not isinstance(model, DistributedDataParallel) or strategy.root_device.type == "cuda":
+            return
+        inner = getattr(strategy, "_ddp_comm_hook", None)
+        wrapper = getattr(strategy, "_ddp_comm_wrapper", None)
+        hook = timed_comm_hook(self.timer.mark_sync_entry, inner)
+        try:
+            model.register_comm_hook(
+                state=getattr(strategy, "_ddp_comm_state", None),
+                hook=wrapper(hook) if wrapper is not None else hook,
+            )
+        except RuntimeError as err:  # a hook is registered already: we cannot wrap it here
+            log.warning(
+                "StragglerMonitor could not add its timing comm hook (%s); the all-reduce wait"
+                " is counted in `backward` instead of `sync_wait`.",
+                err,
+            )
+
+    # -- per micro-batch -----------------------------------------------------------------------
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        meta = batch.get("meta") if isinstance(batch, dict) else None
+        if isinstance(meta, dict):
+            self.timer.set_features(pack_features(meta))
+
+    @override
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
+        self.timer.start("backward")
+
+    @override
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.timer.stop_backward()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.timer.start("optimizer")
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if trainer.global_step == self._last_step:  # still accumulating
+            self.timer.end_micro()
+            return
+        self._last_step = trainer.global_step
+        self.timer.end_step(trainer.global_step, trainer.current_epoch)
+        self._collect(trainer)
+        if trainer.global_step % self.log_every_n_steps == 0:
+            self._gather_and_log(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.timer.discard_step()  # nothing is left open between epochs
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._failed:  # every rank gets here: one last gather of what is left
+            self._gather_and_log(trainer)
+
+    @override
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._failed = True
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for obj, name in self._patched:
+            obj.__dict__.pop(name, None)
+        self._patched.clear()
+        if self._restore_hook is not None:
+            strategy, hook = self._restore_hook
+            strategy._ddp_comm_hook = hook
+            self._restore_hook = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    # -- gathering -----------------------------------------------------------------------------
+    def _collect(self, trainer: L.Trainer) -> None:
+        for step in self.timer.drain():
+            self._window.append(step)
+            self._file.write(json.dumps(step.to_json(trainer.global_rank, trainer.world_size)))
+            self._file.write("\n")
+
+    def _gather_and_log(self, trainer: L.Trainer) -> None:
+        self._collect(trainer)
+        self._file.flush()
+        n = len(self._window)
+        sums = np.zeros(len(_SERIES) + 1)
+        sums[0] = n
+        for step in self._window:
+            sums[1:-1] += [step.phases_ms[p] for p in PHASES]
+            sums[-1] += step.step_ms
+        self._window.clear()
+        table = _all_gather_rows(sums, trainer.strategy.root_device)  # (R, 1 + phases + step)
+        counts = table[:, 0]
+        self.steps_timed += int(counts.min())
+        self.total_step_ms += table[:, -1]
+        self.total_wait_ms += table[:, 1 + PHASES.index("sync_wait")]
+        self.total_wait_ms += table[:, 1 + PHASES.index("lightning_sync")]
+        if not trainer.is_global_zero or counts.min() == 0:
+            return
+        means = table[:, 1:] / counts[:, None]
+        stats = straggler_stats(means[:, :-1], means[:, -1])
+        metrics: dict[str, float] = {}
+        for r in range(len(means)):
+            for k, series in enumerate(_SERIES):
+                metrics[f"straggler/{series}_ms/rank_{r}"] = float(means[r, k])
+        metrics["straggler/waste_frac"] = stats.waste_frac
+        metrics["straggler/worst_rank"] = float(stats.worst_rank)
+        metrics["straggler/max_over_median"] = stats.max_over_median
+        self.last_stats = {
+            k: metrics[f"straggler/{k}"] for k in ("waste_frac", "worst_rank", "max_over_median")
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def summary(self) -> dict[str, Any]:
+        """Whole-run totals (as of the last gather; complete on rank 0 after ``fit``)."""
+        busy = self.total_step_ms - self.total_wait_ms
+        total = float(self.total_step_ms.sum())
+        return {
+            "steps_timed": self.steps_timed,
+            "waste_frac": float(self.total_wait_ms.sum() / total) if total else 0.0,
+            "slowest_rank": int(np.argmax(busy)) if len(busy) else 0,
+            "busy_ms_per_rank": [round(float(b), 1) for b in busy],
+            "wait_ms_per_rank": [round(float(w), 1) for w in self.total_wait_ms],
+        }
+
+    # -- checkpointing ---------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "total_step_ms": self.total_step_ms.tolist(),
+            "total_wait_ms": self.total_wait_ms.tolist(),
+            "steps_timed": self.steps_timed,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.total_step_ms = np.asarray(state_dict["total_step_ms"], dtype=np.float64)
+        self.total_wait_ms = np.asarray(state_dict["total_wait_ms"], dtype=np.float64)
+        self.steps_timed = int(state_dict["steps_timed"])
+
+
+def _all_gather_rows(row: np.ndarray, device: torch.device) -> np.ndarray:
+    """One small all-gather of a float64 row from every rank (the only collective we add)."""
+    t = torch.tensor(row, dtype=torch.float64, device=device)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return row[None, :]
+    out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(out, t)
+    return torch.stack(out).cpu().numpy()
+
+
+def custom_scalars_layout() -> dict[str, dict[str, list]]:
+    """TensorBoard layout: one multi-line chart per phase (a line per rank), plus the summary."""
+    per_rank = {f"{s}_ms": ["Multiline", [rf"straggler/{s}_ms/rank_\d+"]] for s in _SERIES}
+    summary = {
+        k: ["Multiline", [rf"straggler/{k}$"]]
+        for k in ("waste_frac", "worst_rank", "max_over_median")
+    }
+    return {"straggler per rank": per_rank, "straggler summary": summary}
+
+
+def pack_features(meta: dict[str, Any]) -> dict[str, Any]:
+    """Cost features of a packed micro-batch from its ``meta`` (python ints: no device sync)."""
+    features: dict[str, Any] = {}
+    for key in ("pack_id", "total_tokens", "image_tokens", "images"):
+        if key in meta:
+            features[key] = meta[key]
+    if "doc_lens" in meta:
+        features["doc_sq_tokens"] = sum(n * n for n in meta["doc_lens"])
+    if "image_sizes" in meta:
+        features["image_sq_tokens"] = sum(n * n for n in meta["image_sizes"])
+    return features
+
+
+def _resolve_module(
+    root: nn.Module, spec: nn.Module | str | bool | None, names: tuple[str, ...], arg: str
+) -> nn.Module | None:
+    if spec is False:
+        return None
+    if isinstance(spec, nn.Module):
+        return spec
+    if isinstance(spec, str):
+        try:
+            return root.get_submodule(spec)
+        except AttributeError as err:
+            raise ValueError(
+                f"`StragglerMonitor({arg}={spec!r})`: {type(root).__name__} has no such submodule"
+            ) from err
+    # default: the shallowest submodule whose own name is one of the usual ones
+    found = [
+        (name.count("."), name, mod)
+        for name, mod in root.named_modules()
+        if name and name.rsplit(".", 1)[-1] in names
+    ]
+    if not found:
+        log.info("StragglerMonitor: no %s found by name; that phase is not timed.", arg)
+        return None
+    return min(found, key=lambda x: (x[0], names.index(x[1].rsplit(".", 1)[-1])))[2]

@@ -1,0 +1,247 @@
+"""Per-rank, per-phase step timing (torch only, no Lightning).
+
+A :class:`StepTimer` collects, for every optimizer step of one rank, how long each phase took in
+each micro-batch. Phases are timed by *marks*: on the CPU a mark is ``time.perf_counter()``; on
+CUDA a device phase is marked by a ``torch.cuda.Event`` recorded on the current stream and read
+later with ``query()`` (never ``synchronize()``), so timing adds no device synchronisation. A
+finished step waits in a queue until every one of its events has completed; :meth:`drain` returns
+the steps that are fully resolved.
+
+Phases (milliseconds per optimizer step, summed over its micro-batches):
+
+==================  ==========================================================================
+``data``            waiting for the data loader (host)
+``vision_fwd``      forward of the vision module (exclusive of nothing else)
+``llm_fwd``         forward of the language module, minus any vision forward nested inside it
+``backward``        backward, minus ``sync_wait``
+``optimizer``       the optimizer step
+``sync_wait``       from this rank's last gradient bucket being ready to the end of the gradient
+                    all-reduce: waiting for the slowest rank (plus the last bucket's transfer)
+``lightning_sync``  Lightning's per-micro-batch SIGTERM-flag broadcast, a barrier (host)
+``step``            the whole optimizer step, first micro-batch to optimizer end (host)
+==================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["PHASES", "WAIT_PHASES", "ResolvedStep", "StepTimer"]
+
+PHASES = ("data", "vision_fwd", "llm_fwd", "backward", "optimizer", "sync_wait", "lightning_sync")
+WAIT_PHASES = ("sync_wait", "lightning_sync")
+
+
+class _HostClock:
+    device = False
+
+    @staticmethod
+    def mark() -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def ready(mark: Any) -> bool:
+        return True
+
+    @staticmethod
+    def elapsed_ms(a: Any, b: Any) -> float:
+        return (b - a) * 1e3
+
+
+class _CudaClock:
+    device = True
+
+    @staticmethod
+    def mark() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def ready(mark: Any) -> bool:
+        return mark.query()
+
+    @staticmethod
+    def elapsed_ms(a: Any, b: Any) -> float:
+        return a.elapsed_time(b)
+
+
+HOST = _HostClock()
+
+
+@dataclass(slots=True)
+class _Interval:
+    phase: str
+    clock: Any
+    start: Any
+    end: Any = None
+    minus: list[_Interval] = field(default_factory=list)  # nested intervals to subtract
+
+    def ready(self) -> bool:
+        return self.end is not None and self.clock.ready(self.end)
+
+    def ms(self) -> float:
+        total = self.clock.elapsed_ms(self.start, self.end)
+        return total - sum(i.ms() for i in self.minus)
+
+
+@dataclass(slots=True)
+class _Micro:
+    features: dict[str, Any] = field(default_factory=dict)
+    intervals: list[_Interval] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Step:
+    start: float
+    micro: list[_Micro] = field(default_factory=list)
+    end: float = 0.0
+    global_step: int = 0
+    epoch: int = 0
+
+
+@dataclass(slots=True)
+class ResolvedStep:
+    """One optimizer step of one rank, in milliseconds."""
+
+    global_step: int
+    epoch: int
+    step_ms: float
+    phases_ms: dict[str, float]
+    micro: list[dict[str, Any]]  # per micro-batch: features and phase milliseconds
+
+    @property
+    def wait_ms(self) -> float:
+        return sum(self.phases_ms[p] for p in WAIT_PHASES)
+
+    def to_json(self, rank: int, world_size: int) -> dict[str, Any]:
+        return {
+            "v": 1,
+            "rank": rank,
+            "world_size": world_size,
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "micro_batches": len(self.micro),
+            "step_ms": round(self.step_ms, 4),
+            "phases_ms": {k: round(v, 4) for k, v in self.phases_ms.items()},
+            "micro": self.micro,
+        }
+
+
+class StepTimer:
+    """Collects phase intervals of one rank, step by step.
+
+    Args:
+        device_clock: ``"cuda"`` to time device phases with CUDA events, else host time.
+    """
+
+    def __init__(self, device_clock: str = "cpu") -> None:
+        self.device = _CudaClock() if device_clock == "cuda" else HOST
+        self._step: _Step | None = None
+        self._micro: _Micro | None = None
+        self._open: dict[str, _Interval] = {}
+        self._pending: deque[_Step] = deque()
+        self._sync_entry: Any = None
+
+    # -- micro-batch and step boundaries -------------------------------------------------
+    def _current(self) -> _Micro:
+        if self._step is None:
+            self._step = _Step(start=HOST.mark())
+        if self._micro is None:
+            self._micro = _Micro()
+            self._step.micro.append(self._micro)
+        return self._micro
+
+    def set_features(self, features: dict[str, Any]) -> None:
+        """Attaches cost features (pack tokens, image tokens, ...) to the current micro-batch."""
+        self._current().features.update(features)
+
+    def end_micro(self) -> None:
+        self._micro = None
+        self._open.clear()
+        self._sync_entry = None
+
+    def end_step(self, global_step: int, epoch: int) -> None:
+        """Closes the optimizer step; it is resolved once all its device events have completed."""
+        self.end_micro()
+        if self._step is None:
+            return
+        self._step.end = HOST.mark()
+        self._step.global_step, self._step.epoch = global_step, epoch
+        self._pending.append(self._step)
+        self._step = None
+
+    def discard_step(self) -> None:
+        """Drops a step that did not finish (an exception or an interrupted epoch)."""
+        self._step, self._micro = None, None
+        self._open.clear()
+
+    # -- phases ---------------------------------------------------------------------------
+    def start(self, phase: str, *, host: bool = False) -> None:
+        clock = HOST if host else self.device
+        interval = _Interval(phase, clock, clock.mark())
+        micro = self._current()
+        # a phase nested in an open one is excluded from it (vision inside the language model)
+        for outer in self._open.values():
+            if outer.clock is clock:
+                outer.minus.append(interval)
+        self._open[phase] = interval
+        micro.intervals.append(interval)
+
+    def stop(self, phase: str) -> None:
+        interval = self._open.pop(phase, None)
+        if interval is not None:
+            interval.end = interval.clock.mark()
+
+    def mark_sync_entry(self) -> None:
+        """Called when a gradient bucket is handed to the all-reduce (from the DDP comm hook)."""
+        self._sync_entry = self.device.mark()
+
+    def stop_backward(self) -> None:
+        """Ends ``backward``; the time after the last bucket was ready becomes ``sync_wait``."""
+        interval = self._open.pop("backward", None)
+        if interval is None:
+            return
+        interval.end = interval.clock.mark()
+        if self._sync_entry is not None and interval.clock is self.device:
+            wait = _Interval("sync_wait", self.device, self._sync_entry, interval.end)
+            interval.minus.append(wait)
+            self._current().intervals.append(wait)
+            self._sync_entry = None
+
+    # -- results --------------------------------------------------------------------------
+    def drain(self) -> list[ResolvedStep]:
+        """The finished steps whose events have all completed, oldest first."""
+        out: list[ResolvedStep] = []
+        while self._pending:
+            step = self._pending[0]
+            if not all(i.ready() for m in step.micro for i in m.intervals):
+                break
+            self._pending.popleft()
+            out.append(_resolve(step))
+        return out
+
+
+def _resolve(step: _Step) -> ResolvedStep:
+    phases = dict.fromkeys(PHASES, 0.0)
+    micro_out = []
+    for m in step.micro:
+        ms = dict.fromkeys(PHASES, 0.0)
+        for i in m.intervals:
+            if i.end is not None:
+                ms[i.phase] += max(i.ms(), 0.0)
+        for k, v in ms.items():
+            phases[k] += v
+        micro_out.append({**m.features, **{f"{k}_ms": round(v, 4) for k, v in ms.items()}})
+    return ResolvedStep(
+        global_step=step.global_step,
+        epoch=step.epoch,
+        step_ms=HOST.elapsed_ms(step.start, step.end),
+        phases_ms=phases,
+        micro=micro_out,
+    )

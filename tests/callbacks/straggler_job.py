@@ -1,0 +1,84 @@
+"""A 2-process CPU fit with StragglerMonitor where rank 1 sleeps in its vision forward.
+
+    python -m tests.callbacks.straggler_job --out DIR --delay-ms 40 --accumulate 4
+
+Run as a subprocess (Lightning's DDP launcher re-executes it). Logs go to DIR/tb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+import lightning_vlmbalance as vb
+from examples.vlm import ToyVLM
+from tests.packing.lightning_job import Data
+
+
+class SlowVisionVLM(ToyVLM):
+    def __init__(self, delay_ms: float, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.delay_s = delay_ms / 1e3
+        # registered before the monitor's hooks, so the sleep is inside the timed forward
+        self.vision.register_forward_hook(self._slow_down)
+
+    def _slow_down(self, *_: Any) -> None:
+        if self._trainer is not None and self.global_rank == 1 and self.delay_s:
+            time.sleep(self.delay_s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--delay-ms", type=float, default=40.0)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--log-every", type=int, default=2)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--resume")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    table = vb.synthetic_length_table(
+        600, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
+    )
+    monitor = vb.StragglerMonitor(log_every_n_steps=args.log_every)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
+        logger=TensorBoardLogger(Path(args.out) / "tb", name="run", version=0),
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    model = SlowVisionVLM(
+        args.delay_ms,
+        vocab_size=64,
+        patch_dim=8,
+        dim=16,
+        heads=2,
+        llm_layers=1,
+        max_positions=128,
+        moe_experts=2,
+    )
+    trainer.fit(model, datamodule=Data(table, 128, 0), ckpt_path=args.resume)
+    if trainer.is_global_zero:
+        trainer.save_checkpoint(Path(args.out) / "last.ckpt")
+        (Path(args.out) / "summary.json").write_text(json.dumps(monitor.summary()))
+    else:
+        trainer.save_checkpoint(Path(args.out) / "last.ckpt")
+
+
+if __name__ == "__main__":
+    main()
