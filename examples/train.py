@@ -78,9 +78,9 @@ class RunSummary(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loader = trainer.datamodule.loader
         plan = loader.sampler.plan()
-        # tokens of the packs every rank consumed this epoch (padding packs hold none)
+        # tokens of the packs every rank trained on in this run (padding packs hold none)
         self.tokens += sum(
-            int(plan.pack_tokens[[i for i in ids[: loader.consumed] if i >= 0]].sum())
+            int(plan.pack_tokens[[i for i in ids[loader.start : loader.consumed] if i >= 0]].sum())
             for ids in plan.rank_pack_ids
         )
 

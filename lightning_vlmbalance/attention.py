@@ -52,11 +52,19 @@ def packed_attention(
         ``(T, H, Dh)`` attention output.
     """
     T, H = q.shape[:2]
-    if k.shape[0] != T or v.shape[0] != T or H % k.shape[1]:
+    if k.shape[0] != T or v.shape != k.shape or H % k.shape[1]:
         raise ValueError(
             f"packed_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do"
-            " not fit (T must match and Hkv must divide H)"
+            " not fit (T must match, k and v must have the same shape, Hkv must divide H)"
         )
+    if cu_seqlens.device.type == "cpu":  # checking costs no device sync here
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        if int(cu_seqlens[-1]) != T or (lens.numel() and int(lens.max()) > max_seqlen):
+            raise ValueError(
+                f"packed_attention: cu_seqlens end at {int(cu_seqlens[-1])} for {T} tokens and"
+                f" the longest document has {int(lens.max()) if lens.numel() else 0} tokens,"
+                f" `max_seqlen={max_seqlen}`: the metadata does not describe this batch"
+            )
     if T == 0:  # an empty batch (e.g. a pack with no images): keep k and v in the graph
         return q + (k.sum() + v.sum()) * 0
     if _FLASH and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):

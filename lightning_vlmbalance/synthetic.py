@@ -116,6 +116,17 @@ class SyntheticVLMDataset(Dataset):
     ) -> None:
         if vocab_size < 4:
             raise ValueError(f"`SyntheticVLMDataset(vocab_size={vocab_size})` must be >= 4")
+        bad = np.flatnonzero(
+            (table.image_tokens > 0)
+            & ((table.total_tokens <= table.image_tokens) | (table.images > table.image_tokens))
+        )
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"sample {i}: {int(table.total_tokens[i])} tokens, {int(table.image_tokens[i])}"
+                f" image tokens in {int(table.images[i])} images; a sample with images needs at"
+                " least one text token and one image token per image"
+            )
         self.table = table
         self.vocab_size = vocab_size
         self.patch_dim = patch_dim
@@ -127,7 +138,7 @@ class SyntheticVLMDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         n = int(self.table.total_tokens[index])
         n_image = int(self.table.image_tokens[index])
-        n_images = int(self.table.images[index]) if n_image else 0
+        n_images = max(int(self.table.images[index]), 1) if n_image else 0
         rng = np.random.default_rng([self.seed, int(index)])
         text = n - n_image
         # an arithmetic sequence mod V (the step is readable from the context) with 10% noise

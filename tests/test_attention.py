@@ -89,3 +89,14 @@ def test_cuda_matches_reference(dtype) -> None:
     ref = _reference(q.float(), k.float(), v.float(), lens, True)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     assert flash_attn_available() in (True, False)
+
+
+def test_metadata_that_does_not_describe_the_batch_is_an_error() -> None:
+    q = torch.randn(12, 2, 4)
+    cu = torch.tensor([0, 5, 8, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="longest document has 5 tokens, `max_seqlen=4`"):
+        packed_attention(q, q, q, cu, 4)
+    with pytest.raises(ValueError, match="cu_seqlens end at 10 for 12 tokens"):
+        packed_attention(q, q, q, torch.tensor([0, 5, 10], dtype=torch.int32), 5)
+    with pytest.raises(ValueError, match="same shape"):
+        packed_attention(q, q, q[:, :1], cu, 5)

@@ -57,6 +57,8 @@ class PackCollator:
             to give a pack without images an empty ``pixel_values`` of the right shape. If
             ``None``, it is learnt from the first sample with images.
         pixel_dtype: dtype of ``pixel_values``.
+        truncate_text: cut text-only samples longer than ``seq_len`` (the ``overlong="truncate"``
+            policy; ``PackedDataLoader`` sets it from its sampler). Otherwise they are an error.
 
     Example::
 
@@ -71,6 +73,7 @@ class PackCollator:
         pad_token_id: int = 0,
         image_feature_shape: Sequence[int] | None = None,
         pixel_dtype: torch.dtype = torch.float32,
+        truncate_text: bool = False,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"`PackCollator(seq_len={seq_len!r})` must be >= 1")
@@ -80,6 +83,7 @@ class PackCollator:
             None if image_feature_shape is None else tuple(image_feature_shape)
         )
         self.pixel_dtype = pixel_dtype
+        self.truncate_text = truncate_text
 
     def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
         """Collates one pack.
@@ -109,10 +113,15 @@ class PackCollator:
                 )
             pos, sizes, pix = _image_fields(sample, sid, ids.numel())
             if ids.numel() > T:
-                if sizes:
+                if sizes or not self.truncate_text:
                     raise ValueError(
-                        f"sample {sid} has {ids.numel()} tokens with images, more than"
-                        f" `seq_len={T}`: a sample with images is never cut"
+                        f"sample {sid} has {ids.numel()} tokens{' with images' if sizes else ''},"
+                        f" more than `seq_len={T}`"
+                        + (
+                            ": a sample with images is never cut"
+                            if sizes
+                            else "; pass `truncate_text=True` to cut text-only samples"
+                        )
                     )
                 ids, lab = ids[:T], lab[:T]  # text-only truncation (overlong="truncate")
             n = ids.numel()

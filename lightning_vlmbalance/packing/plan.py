@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -159,7 +160,7 @@ def apply_overlong_policy(
             " `overlong='truncate'` to cut text-only samples, or raise `seq_len`."
         )
     if policy == "skip":
-        log.warning(
+        _warn_once(
             "Skipping %d samples longer than seq_len=%d (first: sample %d with %d tokens).",
             len(over),
             seq_len,
@@ -175,7 +176,7 @@ def apply_overlong_policy(
             f" more than `seq_len={seq_len}`, and `overlong='truncate'` never cuts a sample with"
             " images. Use `overlong='skip'` or raise `seq_len`."
         )
-    log.warning(
+    _warn_once(
         "Truncating %d text-only samples longer than seq_len=%d (first: sample %d, %d tokens).",
         len(over),
         seq_len,
@@ -185,6 +186,16 @@ def apply_overlong_policy(
     effective = total_tokens.copy()
     effective[over] = seq_len
     return effective, empty, over.astype(np.int64)
+
+
+_warned: set[tuple] = set()
+
+
+def _warn_once(msg: str, *args: Any) -> None:
+    """The plan is rebuilt every epoch on every rank: say each policy outcome once."""
+    if (msg, args) not in _warned:
+        _warned.add((msg, args))
+        log.warning(msg, *args)
 
 
 def check_length_table(total_tokens: np.ndarray, image_tokens: np.ndarray) -> None:

@@ -9,6 +9,8 @@ checkpoint resumes with exactly the remaining packs.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -94,16 +96,42 @@ class PackingSampler(Sampler[list[int]]):
             packer=packer,
             image_budget=image_budget,
         )
+        # given values are kept; defaults follow the process group, even one initialised later
+        self._auto_replicas, self._auto_rank = num_replicas is None, rank is None
         self.num_replicas = _dist_default(num_replicas, "get_world_size", 1)
         self.rank = _dist_default(rank, "get_rank", 0)
+        self._check_rank()
+        self.epoch = 0
+        self._plan: EpochPlan | None = None
+        digest = hashlib.sha1(self.total_tokens.tobytes())
+        digest.update(self.image_tokens.tobytes())
+        self._table_hash = digest.hexdigest()
+        self.plan()  # validate the table and the settings now, not in the first step
+
+    def _check_rank(self) -> None:
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(
                 f"`PackingSampler(rank={self.rank}, num_replicas={self.num_replicas})`:"
                 " rank must be in [0, num_replicas)"
             )
-        self.epoch = 0
-        self._plan: EpochPlan | None = None
-        self.plan()  # validate the table and the settings now, not in the first step
+
+    def _sync_with_process_group(self) -> None:
+        """Re-reads defaulted rank/world size: a sampler built before the process group existed
+        (say in a DataModule's ``__init__``) must not plan as if it were alone."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        world = torch.distributed.get_world_size() if self._auto_replicas else self.num_replicas
+        rank = torch.distributed.get_rank() if self._auto_rank else self.rank
+        if (world, rank) != (self.num_replicas, self.rank):
+            log.info(
+                "PackingSampler: rank %d of %d now that the process group exists (was %d of %d)",
+                rank,
+                world,
+                self.rank,
+                self.num_replicas,
+            )
+            self.num_replicas, self.rank, self._plan = world, rank, None
+            self._check_rank()
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose plan is yielded (Lightning calls this every epoch)."""
@@ -127,6 +155,7 @@ class PackingSampler(Sampler[list[int]]):
 
     def pack_refs(self, start: int = 0) -> list[tuple[int, np.ndarray]]:
         """``(pack_id, sample_ids)`` of this rank's packs from position ``start`` on."""
+        self._sync_with_process_group()
         plan = self.plan()
         return list(zip(plan.rank_pack_ids[self.rank][start:], plan.rank_packs[self.rank][start:]))
 
@@ -135,17 +164,45 @@ class PackingSampler(Sampler[list[int]]):
             yield ids.tolist()
 
     def __len__(self) -> int:
+        self._sync_with_process_group()
         return self.plan().packs_per_rank
 
     def fingerprint(self) -> dict[str, Any]:
         """What must match for a saved position to mean the same packs after a resume."""
+        self._sync_with_process_group()
         return {
             "num_samples": len(self.total_tokens),
             "num_replicas": self.num_replicas,
-            "total_tokens_sum": int(self.total_tokens.sum()),
-            "image_tokens_sum": int(self.image_tokens.sum()),
+            "length_table_sha1": self._table_hash,
             **{k: getattr(self.config, k) for k in self.config.__slots__},
         }
+
+
+def _image_feature_shape(dataset: Dataset, sampler: PackingSampler) -> tuple[int, ...] | None:
+    """Shape of one ``pixel_values`` row, read from the first sample with images (or None)."""
+    with_images = np.flatnonzero(sampler.image_tokens > 0)
+    if len(with_images) == 0:
+        return None
+    return tuple(torch.as_tensor(dataset[int(with_images[0])]["pixel_values"]).shape[1:])
+
+
+def _check_ranks_agree(sampler: PackingSampler) -> None:
+    """All ranks must plan from the same table and settings, or DDP would hang on unequal step
+    counts: one small all-gather per pass turns that into an error on every rank."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    world = torch.distributed.get_world_size()
+    if world == 1 or world != sampler.num_replicas:
+        return
+    mine = (sampler.epoch, len(sampler), json.dumps(sampler.fingerprint(), sort_keys=True))
+    everyone: list[Any] = [None] * world
+    torch.distributed.all_gather_object(everyone, mine)
+    if any(other != everyone[0] for other in everyone):
+        detail = "; ".join(
+            f"rank {r}: epoch {e}, {n} packs, {json.loads(f)}"
+            for r, (e, n, f) in enumerate(everyone)
+        )
+        raise ValueError(f"the ranks disagree on the packing plan (config mismatch): {detail}")
 
 
 class _PackDataset(Dataset):
@@ -235,22 +292,36 @@ class PackedDataLoader:
         self.dataloader_kwargs = dataloader_kwargs
         self._resume_epoch: int | None = None
         self._resume_at = 0
+        self._iter_epoch: int | None = None
+        self._pending = False
         self._start = 0
         self._delivered = 0
         self._refs: list[tuple[int, np.ndarray]] = []
         self._inner: DataLoader | None = None
+        if sampler.config.overlong == "truncate":
+            self.collate_fn.truncate_text = True
+        if self.collate_fn.image_feature_shape is None:
+            self.collate_fn.image_feature_shape = _image_feature_shape(dataset, sampler)
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        start = 0
+        self._pending = True
+        return self._generate()
+
+    def _generate(self) -> Iterator[dict[str, Any]]:
+        # The epoch and the start are read at the first ``next()``, not at ``iter()``: Lightning
+        # creates the iterator before it calls ``set_epoch`` for the epoch.
+        self._pending = False
+        epoch, start = self.sampler.epoch, 0
         if self._resume_epoch is not None:
-            if self._resume_epoch == self.sampler.epoch:
+            if self._resume_epoch == epoch:
                 start = self._resume_at
             self._resume_epoch = None
-        self._start, self._delivered = start, 0
+        self._iter_epoch, self._start, self._delivered = epoch, start, 0
         self._refs = self.sampler.pack_refs(start)
+        _check_ranks_agree(self.sampler)
         if self._inner is None:
             self._inner = DataLoader(
                 _PackDataset(self.dataset, self.sampler),
@@ -258,12 +329,14 @@ class PackedDataLoader:
                 collate_fn=self.collate_fn,
                 **self.dataloader_kwargs,
             )
-        return self._count(iter(self._inner))
-
-    def _count(self, it: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        for batch in it:
+        for batch in self._inner:
             self._delivered += 1
             yield batch
+
+    @property
+    def start(self) -> int:
+        """Position in this rank's packs where the current pass started (> 0 after a resume)."""
+        return self._start if self._iter_epoch == self.sampler.epoch else 0
 
     @property
     def consumed(self) -> int:
@@ -272,6 +345,10 @@ class PackedDataLoader:
         Lightning's training loop does not fetch ahead of a loader whose length it knows (this
         one), so when it saves a checkpoint every delivered pack has been trained on.
         """
+        if self._resume_epoch is not None:  # restored, not iterated yet
+            return self._resume_at if self._resume_epoch == self.sampler.epoch else 0
+        if self._pending or self._iter_epoch != self.sampler.epoch:
+            return 0  # a new pass or a new epoch: nothing of it is consumed yet
         return self._start + self._delivered
 
     def state_dict(self) -> dict[str, Any]:

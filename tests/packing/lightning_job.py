@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--resume")
     p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--epoch-checkpoint", action="store_true", help="also save at epoch ends")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--accumulate", type=int, default=2)
@@ -94,6 +95,10 @@ def main() -> None:
                 save_top_k=-1,
                 filename="{epoch}-{step}",
             )
+        )
+    if args.epoch_checkpoint:  # Lightning's default: save when a training epoch ends
+        callbacks.append(
+            ModelCheckpoint(dirpath=Path(args.out) / "ckpt", save_top_k=-1, filename="end-{epoch}")
         )
     trainer = L.Trainer(
         accelerator="cpu",

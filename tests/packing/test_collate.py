@@ -80,10 +80,12 @@ def test_padding_pack() -> None:
 
 
 def test_text_only_truncation_and_image_samples_never_cut() -> None:
-    batch = PackCollator(4)([{"input_ids": torch.arange(10)}])
+    batch = PackCollator(4, truncate_text=True)([{"input_ids": torch.arange(10)}])
     assert batch["input_ids"][0].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="sample 0 has 10 tokens, more than `seq_len=4`"):
+        PackCollator(4)([{"input_ids": torch.arange(10)}])  # no silent cut by default
     with pytest.raises(ValueError, match="sample 0 has 7 tokens with images"):
-        PackCollator(4)([_image_sample(3, 4)])
+        PackCollator(4, truncate_text=True)([_image_sample(3, 4)])
 
 
 def test_overfull_pack_names_the_sample() -> None:

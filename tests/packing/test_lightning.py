@@ -31,14 +31,14 @@ def _run(out: Path, *args: str) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:
     out = tmp_path_factory.mktemp("full")
-    return out, _run(out, "--checkpoint-every", "7")
+    return out, _run(out, "--checkpoint-every", "5", "--epoch-checkpoint", "--epochs", "3")
 
 
 def test_every_sample_once_per_epoch_across_ranks(full_run: tuple[Path, dict]) -> None:
     """Each sample is used exactly once per epoch across all ranks; ranks run equal step counts."""
     _, seen = full_run
     assert len(seen[0]["seen"]) == len(seen[1]["seen"]) > 0
-    for epoch in (0, 1):
+    for epoch in (0, 1, 2):
         ids = [s for r in (0, 1) for e, _, sids in seen[r]["seen"] if e == epoch for s in sids]
         assert sorted(ids) == list(range(300))
     # a new epoch reshuffles: the packs differ
@@ -47,15 +47,25 @@ def test_every_sample_once_per_epoch_across_ranks(full_run: tuple[Path, dict]) -
     assert e0 != e1
 
 
-@pytest.mark.parametrize("step", [7, 28])
-def test_resume_mid_epoch_continues_with_exactly_the_remaining_packs(
-    full_run: tuple[Path, dict], tmp_path: Path, step: int
+# 40 packs per rank per epoch, accumulate 2: epoch 0 ends at step 20
+@pytest.mark.parametrize(
+    ("pattern", "step"),
+    [
+        ("epoch=0-step=5.ckpt", 5),  # mid-epoch
+        ("epoch=0-step=20.ckpt", 20),  # saved on the last batch of an epoch
+        ("end-epoch=0.ckpt", 20),  # saved when the epoch ended (ModelCheckpoint's default)
+        ("epoch=1-step=30.ckpt", 30),  # mid-epoch, second epoch
+    ],
+)
+def test_resume_continues_with_exactly_the_remaining_packs(
+    full_run: tuple[Path, dict], tmp_path: Path, pattern: str, step: int
 ) -> None:
-    """A checkpoint at optimizer step k resumes with the packs the uninterrupted run saw after k."""
+    """A checkpoint at optimizer step k resumes with the packs the uninterrupted run saw after k,
+    also at epoch boundaries (no epoch replayed or skipped)."""
     out, seen = full_run
-    ckpts = sorted((out / "ckpt").glob(f"*-step={step}.ckpt"))
-    assert ckpts, sorted(p.name for p in (out / "ckpt").iterdir())
-    resumed = _run(tmp_path, "--resume", str(ckpts[0]))
+    ckpt = out / "ckpt" / pattern
+    assert ckpt.exists(), sorted(p.name for p in (out / "ckpt").iterdir())
+    resumed = _run(tmp_path, "--resume", str(ckpt), "--epochs", "3")
     micro = step * 2  # accumulate_grad_batches=2
     for r in (0, 1):
         full = [tuple(map(str, x)) for x in seen[r]["seen"]]

@@ -134,7 +134,10 @@ def test_persistent_workers_serve_every_epoch_and_resume() -> None:
     """One inner DataLoader (and its persistent worker) is reused across epochs and resumes."""
     table, ds, sampler, _ = _setup(world_size=1)
     loader = vb.PackedDataLoader(
-        ds, sampler, vb.PackCollator(128, image_feature_shape=(4,)), num_workers=1,
+        ds,
+        sampler,
+        vb.PackCollator(128, image_feature_shape=(4,)),
+        num_workers=1,
         persistent_workers=True,
     )
     e0 = _ids(loader)
@@ -151,3 +154,88 @@ def test_persistent_workers_serve_every_epoch_and_resume() -> None:
     assert state["consumed"] == 2
     loader.load_state_dict(state)
     assert _ids(loader) == e1[2:]
+
+
+def test_state_after_set_epoch_points_at_the_new_epoch() -> None:
+    """Saved between epochs (after set_epoch, before the first batch): nothing of the new epoch
+    is consumed; restored and saved again before iterating: the restored position."""
+    _, _, sampler, loader = _setup()
+    list(loader)
+    sampler.set_epoch(1)
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["consumed"] == 0
+    _, _, _, fresh = _setup()
+    fresh.load_state_dict({**loader.state_dict(), "consumed": 5, "epoch": 0})
+    assert fresh.state_dict()["consumed"] == 5 and fresh.state_dict()["epoch"] == 0
+
+
+def test_default_collator_learns_the_image_feature_shape() -> None:
+    """A pack without images still gets pixel_values of shape (0, patch_dim)."""
+    _, ds, sampler, _ = _setup(world_size=1)
+    loader = vb.PackedDataLoader(ds, sampler)
+    assert loader.collate_fn.image_feature_shape == (4,)
+    shapes = {tuple(b["pixel_values"].shape[1:]) for b in loader}
+    assert shapes == {(4,)}
+
+
+def _two_ranks(rank: int, port: int, queue, table_shift: int) -> None:
+    import torch.distributed as dist
+
+    table = vb.synthetic_length_table(300, tile_tokens=8, max_text_tokens=64, seed=5)
+    # built before the process group exists, as in a DataModule's __init__
+    sampler = vb.PackingSampler(
+        table.total_tokens + (table_shift if rank == 1 else 0), table.image_tokens, seq_len=256
+    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        ds = vb.SyntheticVLMDataset(
+            vb.LengthTable(
+                total_tokens=sampler.total_tokens,
+                image_tokens=table.image_tokens,
+                images=table.images,
+            ),
+            vocab_size=32,
+            patch_dim=4,
+        )
+        loader = vb.PackedDataLoader(ds, sampler)
+        try:
+            ids = [i for b in loader for i in b["meta"]["sample_ids"]]
+            queue.put((rank, "ok", sampler.num_replicas, ids))
+        except ValueError as err:
+            queue.put((rank, "error", sampler.num_replicas, str(err)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_two(table_shift: int) -> dict:
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_two_ranks, args=(r, port, queue, table_shift)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    out = {}
+    for _ in procs:
+        rank, status, world, payload = queue.get(timeout=120)
+        out[rank] = (status, world, payload)
+    for p in procs:
+        p.join(timeout=60)
+    return out
+
+
+def test_sampler_built_before_the_process_group_follows_it() -> None:
+    """Defaulted rank/world size are re-read once the group exists: no rank plans alone."""
+    out = _spawn_two(table_shift=0)
+    assert out[0][:2] == out[1][:2] == ("ok", 2)
+    assert sorted(out[0][2] + out[1][2]) == list(range(300))
+
+
+def test_ranks_with_different_length_tables_fail_instead_of_hanging() -> None:
+    out = _spawn_two(table_shift=1)
+    for r in (0, 1):
+        status, _, message = out[r]
+        assert status == "error" and "ranks disagree on the packing plan" in message
