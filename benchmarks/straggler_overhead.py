@@ -1,12 +1,20 @@
 """Overhead of StragglerMonitor: steps/s of the example VLM with and without it, interleaved.
 
-    python benchmarks/straggler_overhead.py --rounds 5 --steps 120 --json
+    python benchmarks/straggler_overhead.py --json                       # --mode toggle
+    python benchmarks/straggler_overhead.py --mode processes --rounds 5 --json
 
-Each block is a real 2-process CPU DDP fit (gloo) of the example VLM for ``--steps`` optimizer
-steps, launched as its own job; blocks with and without the monitor alternate (ABBA order) so slow
-drifts of the machine hit both alike. Only the training time is measured (``on_train_start`` to
-``on_train_end`` on rank 0, after start-up). ``overhead_frac = 1 - median(with) / median(without)``
-of steps/s; the last line of stdout is one JSON object with ``--json``.
+Both run a real 2-process CPU DDP fit (gloo) of the example VLM.
+
+- ``toggle`` (default, paired): one long fit with the monitor attached; every ``--block`` optimizer
+  steps it is switched on or off (``StragglerMonitor.enabled``, in ABBA order, identically on both
+  ranks), and rank 0 times each block. Both variants share the processes, the data and the warm
+  caches, so the noise of separate launches cancels out. Its comm hook and patched loop methods stay
+  installed in "off" blocks (they return at once), so this measures the monitor's per-step work.
+- ``processes``: separate fits with and without the monitor (ABBA order), ``--steps`` each;
+  measures everything, including the comm hook's Python path, at the price of much more noise.
+
+``overhead_frac = 1 - median(on) / median(off)`` of steps/s over the blocks; the last line of
+stdout is one JSON object with ``--json``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,71 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _toggle(args: argparse.Namespace) -> None:
+    """One fit whose monitor is switched on and off every ``--block`` steps (in DDP processes)."""
+    sys.path.insert(0, str(ROOT))
+    import lightning as L
+    import torch
+
+    import lightning_vlmbalance as vb
+    from examples.train import VLMDataModule
+    from examples.vlm import ToyVLM
+
+    monitor = vb.StragglerMonitor(
+        log_every_n_steps=args.log_every, jsonl_dir=Path(args.out).parent / "jsonl"
+    )
+
+    class Toggle(L.Callback):
+        """ABBA: on off off on on off off on ... (block 0 is warm-up and not counted)."""
+
+        def __init__(self) -> None:
+            self.blocks: list[tuple[bool, float]] = []
+            self.t0 = 0.0
+            self.last = 0
+
+        def on_train_start(self, trainer, pl_module):
+            monitor.enabled = True
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step = trainer.global_step
+            if step == self.last or step % args.block:
+                return
+            self.last = step
+            now = time.perf_counter()
+            self.blocks.append((monitor.enabled, now - self.t0))
+            k = step // args.block  # the block starting now
+            monitor.enabled = (k % 4) in (0, 3)
+            self.t0 = time.perf_counter()
+
+        def on_train_end(self, trainer, pl_module):
+            if trainer.is_global_zero:
+                Path(args.out).write_text(
+                    json.dumps({"blocks": self.blocks[1:], "steps_per_block": args.block})
+                )
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    table = vb.synthetic_length_table(
+        60000, text_share=0.2, tile_tokens=16, max_text_tokens=args.seq_len // 2, seed=0
+    )
+    data = VLMDataModule(table, seq_len=args.seq_len, patch_dim=32, vocab_size=256)
+    model = ToyVLM(max_positions=args.seq_len, moe_experts=4, patch_dim=32, vocab_size=256)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=args.block * (args.blocks + 1),
+        accumulate_grad_batches=args.accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor, Toggle()],
+    )
+    trainer.fit(model, datamodule=data)
 
 
 def _block(args: argparse.Namespace) -> None:
@@ -60,7 +133,7 @@ def _block(args: argparse.Namespace) -> None:
     data = VLMDataModule(table, seq_len=args.seq_len, patch_dim=32, vocab_size=256)
     model = ToyVLM(max_positions=args.seq_len, moe_experts=4, patch_dim=32, vocab_size=256)
     callbacks: list[L.Callback] = [Clock()]
-    if args.block == "with":
+    if args.child == "with":
         callbacks.append(
             vb.StragglerMonitor(
                 log_every_n_steps=args.log_every, jsonl_dir=Path(args.out).parent / "jsonl"
@@ -85,21 +158,61 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--rounds", type=int, default=5, help="ABBA rounds (2 blocks per variant)")
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--mode", choices=["toggle", "processes"], default="toggle")
+    p.add_argument("--blocks", type=int, default=40, help="toggle: timed blocks (after warm-up)")
+    p.add_argument("--block", type=int, default=10, help="toggle: optimizer steps per block")
+    p.add_argument("--rounds", type=int, default=5, help="processes: ABBA rounds")
+    p.add_argument("--steps", type=int, default=120, help="processes: steps per fit")
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--block", choices=["with", "without"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["with", "without", "toggle"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.block:
+    if args.child == "toggle":
+        _toggle(args)
+        return
+    if args.child:
         _block(args)
+        return
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    common = [
+        "--accumulate",
+        str(args.accumulate),
+        "--seq-len",
+        str(args.seq_len),
+        "--log-every",
+        str(args.log_every),
+    ]
+    if args.mode == "toggle":
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "toggle.json"
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                "toggle",
+                "--out",
+                str(out),
+                "--block",
+                str(args.block),
+                "--blocks",
+                str(args.blocks),
+                *common,
+            ]
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"toggle run failed:\n{proc.stderr[-4000:]}")
+            blocks = json.loads(out.read_text())["blocks"]
+        rates = {
+            "with": [args.block / s for on, s in blocks if on],
+            "without": [args.block / s for on, s in blocks if not on],
+        }
+        _report(args, rates, steps_per_block=args.block)
         return
 
     rates: dict[str, list[float]] = {"with": [], "without": []}
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             order = (
@@ -131,16 +244,57 @@ def main() -> None:
                 res = json.loads(out.read_text())
                 rates[variant].append(res["steps"] / res["seconds"])
                 print(f"round {r} {variant:8s} {rates[variant][-1]:.3f} steps/s", flush=True)
+    _report(args, rates, steps_per_block=args.steps)
+
+
+def _timer_cost_us(micro_batches: int, steps: int = 2000) -> float:
+    """Host microseconds the timing core spends per micro-batch, in a tight loop (the monitor's
+    direct per-step work: the marks of every phase, the features, closing and draining a step)."""
+    sys.path.insert(0, str(ROOT))
+    from lightning_vlmbalance.timing import StepTimer
+
+    timer = StepTimer()
+    features = {"pack_id": 1, "total_tokens": 512, "image_tokens": 256, "images": 2}
+    t0 = time.perf_counter()
+    for s in range(steps):
+        for _ in range(micro_batches):
+            timer.start("lightning_sync", host=True)
+            timer.stop("lightning_sync")
+            timer.start("data", host=True)
+            timer.stop("data")
+            timer.set_features(features)
+            for phase in ("vision_fwd", "llm_fwd"):
+                timer.start(phase)
+                timer.stop(phase)
+            timer.start("backward")
+            timer.mark_sync_entry()
+            timer.stop_backward()
+            timer.end_micro()
+        timer.start("optimizer")
+        timer.stop("optimizer")
+        timer.end_step(s, 0)
+        for step in timer.drain():
+            json.dumps(step.to_json(0, 2))
+    return (time.perf_counter() - t0) / (steps * micro_batches) * 1e6
+
+
+def _report(args: argparse.Namespace, rates: dict[str, list[float]], steps_per_block: int) -> None:
     med = {k: float(np.median(v)) for k, v in rates.items()}
+    timer_us = _timer_cost_us(args.accumulate)
     result = {
         "benchmark": "straggler_overhead",
+        "mode": args.mode,
         "steps_per_s_with": round(med["with"], 4),
         "steps_per_s_without": round(med["without"], 4),
         "overhead_frac": round(1 - med["with"] / med["without"], 4),
+        # the spread of single blocks bounds what the medians can resolve
+        "block_spread_frac": round(float(np.std(rates["without"]) / med["without"]), 4),
+        "timer_us_per_micro_batch": round(timer_us, 2),
+        "timer_frac_of_step": round(timer_us * 1e-6 * args.accumulate * med["with"], 5),
         "blocks_per_variant": len(rates["with"]),
         "all_with": [round(x, 4) for x in rates["with"]],
         "all_without": [round(x, 4) for x in rates["without"]],
-        "steps_per_block": args.steps,
+        "steps_per_block": steps_per_block,
         "accumulate": args.accumulate,
         "ranks": 2,
         "log_every_n_steps": args.log_every,

@@ -118,7 +118,9 @@ class StragglerMonitor(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        enabled = self.timer.enabled
         self.timer = StepTimer("cuda" if trainer.strategy.root_device.type == "cuda" else "cpu")
+        self.timer.enabled = enabled
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy) and strategy.root_device.type == "cuda":
             # Lightning registers the strategy's comm hook on CUDA in strategy.setup(), which
@@ -259,6 +261,8 @@ class StragglerMonitor(Callback):
             self.timer.end_micro()
             return
         self._last_step = trainer.global_step
+        if not self.enabled:
+            return
         self.timer.end_step(trainer.global_step, trainer.current_epoch)
         self._collect(trainer)
         if trainer.global_step % self.log_every_n_steps == 0:
@@ -270,7 +274,7 @@ class StragglerMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._failed:  # every rank gets here: one last gather of what is left
+        if not self._failed and self.enabled:  # every rank gets here: gather what is left
             self._gather_and_log(trainer)
 
     @override
@@ -294,6 +298,16 @@ class StragglerMonitor(Callback):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether steps are timed. Switch it only between optimizer steps and identically on
+        every rank (say from a callback keyed on ``global_step``): the gather is a collective."""
+        return self.timer.enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.timer.enabled = value
 
     # -- gathering -----------------------------------------------------------------------------
     def _collect(self, trainer: L.Trainer) -> None:

@@ -147,6 +147,7 @@ class StepTimer:
         self._open: dict[str, _Interval] = {}
         self._pending: deque[_Step] = deque()
         self._sync_entry: Any = None
+        self.enabled = True  # switch only between optimizer steps
 
     # -- micro-batch and step boundaries -------------------------------------------------
     def _current(self) -> _Micro:
@@ -159,6 +160,8 @@ class StepTimer:
 
     def set_features(self, features: dict[str, Any]) -> None:
         """Attaches cost features (pack tokens, image tokens, ...) to the current micro-batch."""
+        if not self.enabled:
+            return
         self._current().features.update(features)
 
     def end_micro(self) -> None:
@@ -169,7 +172,7 @@ class StepTimer:
     def end_step(self, global_step: int, epoch: int) -> None:
         """Closes the optimizer step; it is resolved once all its device events have completed."""
         self.end_micro()
-        if self._step is None:
+        if self._step is None or not self.enabled:
             return
         self._step.end = HOST.mark()
         self._step.global_step, self._step.epoch = global_step, epoch
@@ -183,6 +186,8 @@ class StepTimer:
 
     # -- phases ---------------------------------------------------------------------------
     def start(self, phase: str, *, host: bool = False) -> None:
+        if not self.enabled:
+            return
         clock = HOST if host else self.device
         interval = _Interval(phase, clock, clock.mark())
         micro = self._current()
@@ -200,7 +205,8 @@ class StepTimer:
 
     def mark_sync_entry(self) -> None:
         """Called when a gradient bucket is handed to the all-reduce (from the DDP comm hook)."""
-        self._sync_entry = self.device.mark()
+        if self.enabled:
+            self._sync_entry = self.device.mark()
 
     def stop_backward(self) -> None:
         """Ends ``backward``; the time after the last bucket was ready becomes ``sync_wait``."""

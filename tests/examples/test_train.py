@@ -42,12 +42,16 @@ def test_main_job_trains_and_logs(tmp_path: Path) -> None:
     assert summary["optimizer_steps"] == -(-summary["packs_per_rank"] // 2)
     assert summary["packing_efficiency"] > 0.95
     assert summary["tokens_per_s"] > 0
+    # the main job runs the StragglerMonitor and names the slowest rank and the waste
+    assert summary["slowest_rank"] in (0, 1) and 0 <= summary["waste_frac"] < 1
+    assert "Stragglers: slowest rank" in proc.stdout
     events = list(Path(summary["log_dir"]).glob("events.out.tfevents.*"))
     assert events
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert "train/loss" in tags and "packing/efficiency" in tags
+    assert {f"straggler/step_ms/rank_{r}" for r in (0, 1)} <= set(tags)
     loss = [e.value for e in acc.Scalars("train/loss")]
     assert len(loss) >= 3
     assert loss[-1] < loss[0]  # it learns

@@ -87,3 +87,16 @@ def test_comm_hook_wraps_never_replaces() -> None:
     assert hook("s", "b") == "future"
     assert calls == [("mark",), ("user", "s", "b")]
     assert hook.__wrapped__ is user_hook
+
+
+def test_disabled_timer_records_nothing() -> None:
+    timer = StepTimer()
+    timer.enabled = False
+    _sleep_phase(timer, "vision_fwd", 0.0)
+    timer.mark_sync_entry()
+    timer.end_step(1, 0)
+    assert timer.drain() == []
+    timer.enabled = True
+    _sleep_phase(timer, "vision_fwd", 0.0)
+    timer.end_step(2, 0)
+    assert [s.global_step for s in timer.drain()] == [2]
