@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,22 +12,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from lightning_vlmbalance.timing import PHASES
+from tests.launch import run_module
 
-ROOT = Path(__file__).resolve().parents[2]
 DELAY_MS = 40.0
 
 
 def _run(out: Path, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.callbacks.straggler_job", "--out", str(out), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_module("tests.callbacks.straggler_job", "--out", str(out), *args)
 
 
 def _events(out: Path) -> EventAccumulator:

@@ -3,39 +3,26 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.launch import run_module
 
 
 def test_main_job_trains_and_logs(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "examples.train",
-            "--root",
-            str(tmp_path),
-            "--num-samples",
-            "600",
-            "--epochs",
-            "1",
-            "--seq-len",
-            "256",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    proc = run_module(
+        "examples.train",
+        "--root",
+        str(tmp_path),
+        "--num-samples",
+        "600",
+        "--epochs",
+        "1",
+        "--seq-len",
+        "256",
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("SUMMARY_JSON "))
     summary = json.loads(line.removeprefix("SUMMARY_JSON "))
     assert summary["ranks"] == 2
