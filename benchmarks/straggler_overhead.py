@@ -225,7 +225,7 @@ def main() -> None:
                 cmd = [
                     sys.executable,
                     str(Path(__file__).resolve()),
-                    "--block",
+                    "--child",
                     variant,
                     "--out",
                     str(out),

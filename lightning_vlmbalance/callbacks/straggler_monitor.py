@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,10 +134,7 @@ class StragglerMonitor(Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._failed = False
-        self._last_step = trainer.global_step
-        world = trainer.world_size
-        if len(self.total_step_ms) != world:
-            self.total_step_ms, self.total_wait_ms = np.zeros(world), np.zeros(world)
+        self._window.clear()
         vision = _resolve_module(pl_module, self.vision_module, _VISION_NAMES, "vision_module")
         llm = _resolve_module(pl_module, self.llm_module, _LLM_NAMES, "llm_module")
         for module, phase in ((vision, "vision_fwd"), (llm, "llm_fwd")):
@@ -190,6 +188,14 @@ class StragglerMonitor(Callback):
             after()
 
         def timed_broadcast() -> None:
+            if not timer.step_open:
+                # the step's first broadcast: it waits for whatever ranks did between steps
+                t0 = time.perf_counter()
+                try:
+                    broadcast()
+                finally:
+                    timer.between_steps((time.perf_counter() - t0) * 1e3)
+                return
             timer.start("lightning_sync", host=True)
             try:
                 broadcast()
@@ -208,20 +214,32 @@ class StragglerMonitor(Callback):
         strategy, model = trainer.strategy, trainer.strategy.model
         if not isinstance(model, DistributedDataParallel) or strategy.root_device.type == "cuda":
             return
-        inner = getattr(strategy, "_ddp_comm_hook", None)
-        wrapper = getattr(strategy, "_ddp_comm_wrapper", None)
-        hook = timed_comm_hook(self.timer.mark_sync_entry, inner)
+        # Lightning registers a strategy's comm hook only on CUDA; on the CPU DDP runs its plain
+        # all-reduce, so that is what we wrap (enabling the user's hook would change the math)
+        hook = timed_comm_hook(self.timer.mark_sync_entry)
         try:
-            model.register_comm_hook(
-                state=getattr(strategy, "_ddp_comm_state", None),
-                hook=wrapper(hook) if wrapper is not None else hook,
-            )
+            model.register_comm_hook(state=getattr(model, "process_group", None), hook=hook)
         except RuntimeError as err:  # a hook is registered already: we cannot wrap it here
             log.warning(
                 "StragglerMonitor could not add its timing comm hook (%s); the all-reduce wait"
                 " is counted in `backward` instead of `sync_wait`.",
                 err,
             )
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # after a checkpoint was restored (on_fit_start runs before the restore)
+        self._last_step = trainer.global_step
+        world = trainer.world_size
+        if len(self.total_step_ms) != world:
+            if self.steps_timed:
+                log.warning(
+                    "StragglerMonitor: the run had %d ranks, now %d; whole-run totals restart.",
+                    len(self.total_step_ms),
+                    world,
+                )
+            self.total_step_ms, self.total_wait_ms = np.zeros(world), np.zeros(world)
+            self.steps_timed = 0
 
     # -- per micro-batch -----------------------------------------------------------------------
     @override
@@ -274,17 +292,30 @@ class StragglerMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._failed and self.enabled:  # every rank gets here: gather what is left
-            self._gather_and_log(trainer)
+        if self._failed or not self.enabled:
+            return
+        if self.timer.device.device:
+            torch.cuda.synchronize()  # once, at the end: resolve the last steps' events
+        self._gather_and_log(trainer)  # every rank gets here: gather what is left
 
     @override
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
+        # Lightning does not call teardown after an exception: undo everything here, and keep
+        # the JSON lines written so far (the steps before a crash are the ones worth reading)
         self._failed = True
+        if self._file is not None:
+            self._collect(trainer)
+        self._window.clear()
+        self.timer.discard_step()
+        self._cleanup()
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._cleanup()
+
+    def _cleanup(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -431,6 +462,11 @@ def _resolve_module(
         if name and name.rsplit(".", 1)[-1] in names
     ]
     if not found:
-        log.info("StragglerMonitor: no %s found by name; that phase is not timed.", arg)
+        log.warning(
+            "StragglerMonitor: no %s found by name (%s); that phase is not timed: pass `%s=`.",
+            arg,
+            ", ".join(names),
+            arg,
+        )
         return None
     return min(found, key=lambda x: (x[0], names.index(x[1].rsplit(".", 1)[-1])))[2]

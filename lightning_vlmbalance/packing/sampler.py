@@ -271,6 +271,10 @@ class PackedDataLoader:
         ValueError: if the dataset and the sampler's length table disagree in size.
     """
 
+    # Lightning inspects ``sampler`` / ``batch_sampler`` like a DataLoader's (set_epoch, the
+    # shuffle check of validation loaders): packs come from ``sampler``, there is no batch sampler
+    batch_sampler = None
+
     def __init__(
         self,
         dataset: Dataset,

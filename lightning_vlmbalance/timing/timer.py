@@ -17,7 +17,11 @@ Phases (milliseconds per optimizer step, summed over its micro-batches):
 ``optimizer``       the optimizer step
 ``sync_wait``       from this rank's last gradient bucket being ready to the end of the gradient
                     all-reduce: waiting for the slowest rank (plus the last bucket's transfer)
-``lightning_sync``  Lightning's per-micro-batch SIGTERM-flag broadcast, a barrier (host)
+``lightning_sync``  Lightning's per-micro-batch SIGTERM-flag broadcast, a barrier (host), at
+                    every micro-batch of the step but the first. The first broadcast follows the
+                    previous step's all-reduce, so what it waits for happened between steps
+                    (validation, a checkpoint save): it is reported as ``between_steps_ms``
+                    and never counted as waiting.
 ``step``            the whole optimizer step, first micro-batch to optimizer end (host)
 ==================  ==========================================================================
 """
@@ -85,6 +89,10 @@ class _Interval:
     def ready(self) -> bool:
         return self.end is not None and self.clock.ready(self.end)
 
+    def close(self) -> None:
+        if self.end is None:
+            self.end = self.clock.mark()
+
     def ms(self) -> float:
         total = self.clock.elapsed_ms(self.start, self.end)
         return total - sum(i.ms() for i in self.minus)
@@ -103,6 +111,7 @@ class _Step:
     end: float = 0.0
     global_step: int = 0
     epoch: int = 0
+    between_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -114,6 +123,7 @@ class ResolvedStep:
     step_ms: float
     phases_ms: dict[str, float]
     micro: list[dict[str, Any]]  # per micro-batch: features and phase milliseconds
+    between_steps_ms: float = 0.0  # before the step: its first broadcast, after validation etc.
 
     @property
     def wait_ms(self) -> float:
@@ -128,6 +138,7 @@ class ResolvedStep:
             "epoch": self.epoch,
             "micro_batches": len(self.micro),
             "step_ms": round(self.step_ms, 4),
+            "between_steps_ms": round(self.between_steps_ms, 4),
             "phases_ms": {k: round(v, 4) for k, v in self.phases_ms.items()},
             "micro": self.micro,
         }
@@ -147,6 +158,7 @@ class StepTimer:
         self._open: dict[str, _Interval] = {}
         self._pending: deque[_Step] = deque()
         self._sync_entry: Any = None
+        self._between_ms = 0.0
         self.enabled = True  # switch only between optimizer steps
 
     # -- micro-batch and step boundaries -------------------------------------------------
@@ -165,6 +177,10 @@ class StepTimer:
         self._current().features.update(features)
 
     def end_micro(self) -> None:
+        # a phase still open (say an optimizer step that a GradScaler skipped) ends here, so
+        # one unfinished interval never blocks the steps after it
+        for interval in self._open.values():
+            interval.close()
         self._micro = None
         self._open.clear()
         self._sync_entry = None
@@ -172,10 +188,14 @@ class StepTimer:
     def end_step(self, global_step: int, epoch: int) -> None:
         """Closes the optimizer step; it is resolved once all its device events have completed."""
         self.end_micro()
-        if self._step is None or not self.enabled:
+        if not self.enabled:
+            self._step = None
+            return
+        if self._step is None:
             return
         self._step.end = HOST.mark()
         self._step.global_step, self._step.epoch = global_step, epoch
+        self._step.between_ms, self._between_ms = self._between_ms, 0.0
         self._pending.append(self._step)
         self._step = None
 
@@ -184,9 +204,19 @@ class StepTimer:
         self._step, self._micro = None, None
         self._open.clear()
 
+    @property
+    def step_open(self) -> bool:
+        """Whether the current optimizer step has started (its first mark was taken)."""
+        return self._step is not None
+
+    def between_steps(self, ms: float) -> None:
+        """Records time spent before the next step starts (reported, never counted as waiting)."""
+        if self.enabled:
+            self._between_ms += ms
+
     # -- phases ---------------------------------------------------------------------------
     def start(self, phase: str, *, host: bool = False) -> None:
-        if not self.enabled:
+        if not self.enabled or phase in self._open:  # a phase re-entered (LBFGS) keeps its start
             return
         clock = HOST if host else self.device
         interval = _Interval(phase, clock, clock.mark())
@@ -250,4 +280,5 @@ def _resolve(step: _Step) -> ResolvedStep:
         step_ms=HOST.elapsed_ms(step.start, step.end),
         phases_ms=phases,
         micro=micro_out,
+        between_steps_ms=step.between_ms,
     )

@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
@@ -23,15 +24,30 @@ from tests.packing.lightning_job import Data
 
 
 class SlowVisionVLM(ToyVLM):
-    def __init__(self, delay_ms: float, **kw: Any) -> None:
+    def __init__(self, delay_ms: float, val_sleep_ms: float = 0.0, **kw: Any) -> None:
         super().__init__(**kw)
         self.delay_s = delay_ms / 1e3
+        self.val_sleep_s = val_sleep_ms / 1e3
         # registered before the monitor's hooks, so the sleep is inside the timed forward
         self.vision.register_forward_hook(self._slow_down)
 
     def _slow_down(self, *_: Any) -> None:
         if self._trainer is not None and self.global_rank == 1 and self.delay_s:
             time.sleep(self.delay_s)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1:  # rank 1 is slow in validation only: between training steps
+            time.sleep(self.val_sleep_s)
+        return self.loss(batch)
+
+
+class DataWithVal(Data):
+    def val_dataloader(self) -> vb.PackedDataLoader:
+        return self.train_dataloader()
+
+
+def _never_called_hook(state: Any, bucket: Any) -> Any:
+    raise RuntimeError("the user's comm hook ran on the CPU, where Lightning never registers it")
 
 
 def main() -> None:
@@ -43,6 +59,8 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=2)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--resume")
+    p.add_argument("--val-sleep-ms", type=float, default=0.0, help="rank 1 sleeps per val batch")
+    p.add_argument("--user-hook", action="store_true", help="DDPStrategy(ddp_comm_hook=...)")
     args = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -50,10 +68,22 @@ def main() -> None:
         600, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
     )
     monitor = vb.StragglerMonitor(log_every_n_steps=args.log_every)
+    strategy: Any = "ddp" if args.devices > 1 else "auto"
+    if args.user_hook:
+        strategy = DDPStrategy(ddp_comm_hook=_never_called_hook)
+    validate = {}
+    if args.val_sleep_ms:  # validation every 2 optimizer steps, 2 batches
+        validate = dict(
+            val_check_interval=2 * args.accumulate,
+            check_val_every_n_epoch=None,
+            limit_val_batches=2,
+            num_sanity_val_steps=0,
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        strategy=strategy,
+        **validate,
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
         logger=TensorBoardLogger(Path(args.out) / "tb", name="run", version=0),
@@ -64,6 +94,7 @@ def main() -> None:
     )
     model = SlowVisionVLM(
         args.delay_ms,
+        val_sleep_ms=args.val_sleep_ms,
         vocab_size=64,
         patch_dim=8,
         dim=16,
@@ -72,7 +103,8 @@ def main() -> None:
         max_positions=128,
         moe_experts=2,
     )
-    trainer.fit(model, datamodule=Data(table, 128, 0), ckpt_path=args.resume)
+    data = (DataWithVal if args.val_sleep_ms else Data)(table, 128, 0)
+    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     if trainer.is_global_zero:
         trainer.save_checkpoint(Path(args.out) / "last.ckpt")
         (Path(args.out) / "summary.json").write_text(json.dumps(monitor.summary()))

@@ -31,11 +31,12 @@ def _series(acc: EventAccumulator, tag: str) -> np.ndarray:
     return np.array([e.value for e in acc.Scalars(tag)])
 
 
-@pytest.mark.parametrize("accumulate", [1, 4])
-def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int) -> None:
+@pytest.mark.parametrize(("accumulate", "extra"), [(1, ()), (4, ("--val-sleep-ms", "100"))])
+def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int, extra) -> None:
     """Rank 1 sleeps 40 ms in every vision forward: it is the worst rank, its vision_fwd is longer
-    by the delay per micro-batch, and rank 0 waits about delay x micro-batches per step."""
-    _run(tmp_path, "--accumulate", str(accumulate), "--delay-ms", str(DELAY_MS))
+    by the delay per micro-batch, and rank 0 waits about delay x micro-batches per step. With 4
+    micro-batches, rank 1 is also slow in validation (between steps): that is not training wait."""
+    _run(tmp_path, "--accumulate", str(accumulate), "--delay-ms", str(DELAY_MS), *extra)
     acc = _events(tmp_path)
     tags = set(acc.Tags()["scalars"])
     for phase in (*PHASES, "step"):
@@ -85,6 +86,15 @@ def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int)
         assert sum(row["phases_ms"].values()) <= row["step_ms"] + 1e-6
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["slowest_rank"] == 1 and summary["steps_timed"] == 12
+    if extra:  # rank 0 waited for rank 1's validation before the steps that followed it
+        rows = [
+            json.loads(x)
+            for x in (tmp_path / "tb" / "run" / "version_0" / "straggler" / "rank_0.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+        after_val = [r["between_steps_ms"] for r in rows if r["global_step"] % 2 == 1][1:]
+        assert min(after_val) >= 150, after_val
 
 
 def test_single_device_logs_phases_without_waits(tmp_path: Path) -> None:
@@ -97,10 +107,25 @@ def test_single_device_logs_phases_without_waits(tmp_path: Path) -> None:
 
 
 def test_totals_survive_checkpoint_and_resume(tmp_path: Path) -> None:
+    """Totals continue after a resume; the resumed run times whole steps of 4 micro-batches."""
     first, second = tmp_path / "a", tmp_path / "b"
-    _run(first, "--max-steps", "6", "--delay-ms", "10")
-    _run(second, "--max-steps", "10", "--delay-ms", "10", "--resume", str(first / "last.ckpt"))
+    common = ("--delay-ms", "10", "--accumulate", "4")
+    _run(first, "--max-steps", "3", *common)
+    _run(second, "--max-steps", "5", "--resume", str(first / "last.ckpt"), *common)
     a = json.loads((first / "summary.json").read_text())
     b = json.loads((second / "summary.json").read_text())
-    assert a["steps_timed"] == 6 and b["steps_timed"] == 10
+    assert a["steps_timed"] == 3 and b["steps_timed"] == 5
     assert all(y > x for x, y in zip(a["busy_ms_per_rank"], b["busy_ms_per_rank"]))
+    rows = [
+        json.loads(x)
+        for x in (second / "tb" / "run" / "version_0" / "straggler" / "rank_0.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    assert [(r["global_step"], r["micro_batches"]) for r in rows] == [(4, 4), (5, 4)]
+
+
+def test_user_comm_hook_stays_off_on_cpu(tmp_path: Path) -> None:
+    """Lightning registers a strategy's comm hook only on CUDA; the monitor must not switch the
+    user's hook on (it would change the gradients): here the hook raises if it is ever called."""
+    _run(tmp_path, "--user-hook", "--max-steps", "3", "--delay-ms", "0")

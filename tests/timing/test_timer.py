@@ -100,3 +100,25 @@ def test_disabled_timer_records_nothing() -> None:
     _sleep_phase(timer, "vision_fwd", 0.0)
     timer.end_step(2, 0)
     assert [s.global_step for s in timer.drain()] == [2]
+
+
+def test_a_phase_never_stopped_does_not_block_later_steps() -> None:
+    """An optimizer step skipped by a GradScaler leaves `optimizer` open: the step still ends."""
+    timer = StepTimer()
+    timer.start("optimizer")
+    timer.start("optimizer")  # re-entered (LBFGS calls the closure several times)
+    timer.end_step(1, 0)
+    _sleep_phase(timer, "data", 0.0, host=True)
+    timer.end_step(2, 0)
+    assert [s.global_step for s in timer.drain()] == [1, 2]
+
+
+def test_time_before_a_step_is_not_waiting() -> None:
+    timer = StepTimer()
+    timer.between_steps(120.0)
+    assert not timer.step_open
+    _sleep_phase(timer, "lightning_sync", 0.0, host=True)
+    assert timer.step_open
+    timer.end_step(1, 0)
+    (step,) = timer.drain()
+    assert step.between_steps_ms == 120.0 and step.phases_ms["lightning_sync"] < 5
