@@ -35,9 +35,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _toggle(args: argparse.Namespace) -> None:
-    """One fit whose monitor is switched on and off every ``--block`` steps (in DDP processes)."""
-    sys.path.insert(0, str(ROOT))
+def _fit(args: argparse.Namespace, callbacks: list, max_steps: int, num_samples: int) -> None:
+    """A 2-rank DDP fit of the example VLM (runs inside Lightning's DDP processes)."""
     import lightning as L
     import torch
 
@@ -45,9 +44,41 @@ def _toggle(args: argparse.Namespace) -> None:
     from examples.train import VLMDataModule
     from examples.vlm import ToyVLM
 
-    monitor = vb.StragglerMonitor(
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    table = vb.synthetic_length_table(
+        num_samples, text_share=0.2, tile_tokens=16, max_text_tokens=args.seq_len // 2, seed=0
+    )
+    data = VLMDataModule(table, seq_len=args.seq_len, patch_dim=32, vocab_size=256)
+    model = ToyVLM(max_positions=args.seq_len, moe_experts=4, patch_dim=32, vocab_size=256)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=max_steps,
+        accumulate_grad_batches=args.accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, datamodule=data)
+
+
+def _monitor(args: argparse.Namespace):
+    import lightning_vlmbalance as vb
+
+    return vb.StragglerMonitor(
         log_every_n_steps=args.log_every, jsonl_dir=Path(args.out).parent / "jsonl"
     )
+
+
+def _toggle(args: argparse.Namespace) -> None:
+    """One fit whose monitor is switched on and off every ``--block`` steps."""
+    import lightning as L
+
+    monitor = _monitor(args)
 
     class Toggle(L.Callback):
         """ABBA: on off off on on off off on ... (block 0 is warm-up and not counted)."""
@@ -66,49 +97,21 @@ def _toggle(args: argparse.Namespace) -> None:
             if step == self.last or step % args.block:
                 return
             self.last = step
-            now = time.perf_counter()
-            self.blocks.append((monitor.enabled, now - self.t0))
+            self.blocks.append((monitor.enabled, time.perf_counter() - self.t0))
             k = step // args.block  # the block starting now
             monitor.enabled = (k % 4) in (0, 3)
             self.t0 = time.perf_counter()
 
         def on_train_end(self, trainer, pl_module):
             if trainer.is_global_zero:
-                Path(args.out).write_text(
-                    json.dumps({"blocks": self.blocks[1:], "steps_per_block": args.block})
-                )
+                Path(args.out).write_text(json.dumps({"blocks": self.blocks[1:]}))
 
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    table = vb.synthetic_length_table(
-        60000, text_share=0.2, tile_tokens=16, max_text_tokens=args.seq_len // 2, seed=0
-    )
-    data = VLMDataModule(table, seq_len=args.seq_len, patch_dim=32, vocab_size=256)
-    model = ToyVLM(max_positions=args.seq_len, moe_experts=4, patch_dim=32, vocab_size=256)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=args.block * (args.blocks + 1),
-        accumulate_grad_batches=args.accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[monitor, Toggle()],
-    )
-    trainer.fit(model, datamodule=data)
+    _fit(args, [monitor, Toggle()], args.block * (args.blocks + 1), num_samples=60000)
 
 
 def _block(args: argparse.Namespace) -> None:
-    """One fit (runs inside Lightning's DDP processes); rank 0 writes its training time."""
-    sys.path.insert(0, str(ROOT))
+    """One fit with or without the monitor; rank 0 writes its training time."""
     import lightning as L
-    import torch
-
-    import lightning_vlmbalance as vb
-    from examples.train import VLMDataModule
-    from examples.vlm import ToyVLM
 
     class Clock(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -116,42 +119,23 @@ def _block(args: argparse.Namespace) -> None:
 
         def on_train_end(self, trainer, pl_module):
             if trainer.is_global_zero:
+                seconds = time.perf_counter() - self.t0
                 Path(args.out).write_text(
-                    json.dumps(
-                        {
-                            "seconds": time.perf_counter() - self.t0,
-                            "steps": trainer.global_step,
-                        }
-                    )
+                    json.dumps({"seconds": seconds, "steps": trainer.global_step})
                 )
 
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    table = vb.synthetic_length_table(
-        8000, text_share=0.2, tile_tokens=16, max_text_tokens=args.seq_len // 2, seed=0
-    )
-    data = VLMDataModule(table, seq_len=args.seq_len, patch_dim=32, vocab_size=256)
-    model = ToyVLM(max_positions=args.seq_len, moe_experts=4, patch_dim=32, vocab_size=256)
-    callbacks: list[L.Callback] = [Clock()]
-    if args.child == "with":
-        callbacks.append(
-            vb.StragglerMonitor(
-                log_every_n_steps=args.log_every, jsonl_dir=Path(args.out).parent / "jsonl"
-            )
-        )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=args.steps,
-        accumulate_grad_batches=args.accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
-    trainer.fit(model, datamodule=data)
+    callbacks = [Clock(), _monitor(args)] if args.child == "with" else [Clock()]
+    _fit(args, callbacks, args.steps, num_samples=8000)
+
+
+def _launch(out: Path, *extra: str) -> dict:
+    """Runs this script as a child job (Lightning re-executes it per rank); returns its JSON."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"child run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -170,78 +154,27 @@ def main() -> None:
     p.add_argument("--child", choices=["with", "without", "toggle"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child == "toggle":
-        _toggle(args)
-        return
     if args.child:
-        _block(args)
+        sys.path.insert(0, str(ROOT))
+        (_toggle if args.child == "toggle" else _block)(args)
         return
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    common = [
-        "--accumulate",
-        str(args.accumulate),
-        "--seq-len",
-        str(args.seq_len),
-        "--log-every",
-        str(args.log_every),
-    ]
-    if args.mode == "toggle":
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "toggle.json"
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--child",
-                "toggle",
-                "--out",
-                str(out),
-                "--block",
-                str(args.block),
-                "--blocks",
-                str(args.blocks),
-                *common,
-            ]
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                sys.exit(f"toggle run failed:\n{proc.stderr[-4000:]}")
-            blocks = json.loads(out.read_text())["blocks"]
-        rates = {
-            "with": [args.block / s for on, s in blocks if on],
-            "without": [args.block / s for on, s in blocks if not on],
-        }
-        _report(args, rates, steps_per_block=args.block)
-        return
-
+    common = ["--accumulate", str(args.accumulate), "--seq-len", str(args.seq_len),
+              "--log-every", str(args.log_every)]  # fmt: skip
     rates: dict[str, list[float]] = {"with": [], "without": []}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.mode == "toggle":
+            res = _launch(Path(tmp) / "toggle.json", "--child", "toggle", "--block",
+                          str(args.block), "--blocks", str(args.blocks), *common)  # fmt: skip
+            for on, seconds in res["blocks"]:
+                rates["with" if on else "without"].append(args.block / seconds)
+            _report(args, rates, steps_per_block=args.block)
+            return
         for r in range(args.rounds):
-            order = (
-                ("without", "with", "with", "without")
-                if r % 2
-                else ("with", "without", "without", "with")
-            )
-            for k, variant in enumerate(order):
-                out = Path(tmp) / f"{r}-{k}-{variant}.json"
-                cmd = [
-                    sys.executable,
-                    str(Path(__file__).resolve()),
-                    "--child",
-                    variant,
-                    "--out",
-                    str(out),
-                    "--steps",
-                    str(args.steps),
-                    "--accumulate",
-                    str(args.accumulate),
-                    "--seq-len",
-                    str(args.seq_len),
-                    "--log-every",
-                    str(args.log_every),
-                ]
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    sys.exit(f"block failed:\n{proc.stderr[-4000:]}")
-                res = json.loads(out.read_text())
+            abba = ("with", "without", "without", "with")
+            baab = ("without", "with", "with", "without")
+            for k, variant in enumerate(baab if r % 2 else abba):
+                res = _launch(Path(tmp) / f"{r}-{k}.json", "--child", variant,
+                              "--steps", str(args.steps), *common)  # fmt: skip
                 rates[variant].append(res["steps"] / res["seconds"])
                 print(f"round {r} {variant:8s} {rates[variant][-1]:.3f} steps/s", flush=True)
     _report(args, rates, steps_per_block=args.steps)

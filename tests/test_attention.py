@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from lightning_vlmbalance import packed_attention
-from lightning_vlmbalance.attention import flash_attn_available
 
 
 def _reference(q, k, v, lens, causal):
@@ -88,7 +87,6 @@ def test_cuda_matches_reference(dtype) -> None:
     out = packed_attention(q, k, v, cu, max(lens))
     ref = _reference(q.float(), k.float(), v.float(), lens, True)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
-    assert flash_attn_available() in (True, False)
 
 
 def test_metadata_that_does_not_describe_the_batch_is_an_error() -> None:

@@ -22,6 +22,7 @@ from lightning_vlmbalance.timing import (
     PHASES,
     ResolvedStep,
     StepTimer,
+    stats_from_waits,
     straggler_stats,
     timed_comm_hook,
 )
@@ -112,7 +113,6 @@ class StragglerMonitor(Callback):
         self.total_step_ms: np.ndarray = np.zeros(0)
         self.total_wait_ms: np.ndarray = np.zeros(0)
         self.steps_timed = 0
-        self.last_stats: dict[str, float] = {}
 
     # -- set-up ------------------------------------------------------------------------------
     @override
@@ -374,22 +374,21 @@ class StragglerMonitor(Callback):
         metrics["straggler/waste_frac"] = stats.waste_frac
         metrics["straggler/worst_rank"] = float(stats.worst_rank)
         metrics["straggler/max_over_median"] = stats.max_over_median
-        self.last_stats = {
-            k: metrics[f"straggler/{k}"] for k in ("waste_frac", "worst_rank", "max_over_median")
-        }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
     def summary(self) -> dict[str, Any]:
         """Whole-run totals (as of the last gather; complete on rank 0 after ``fit``)."""
-        busy = self.total_step_ms - self.total_wait_ms
-        total = float(self.total_step_ms.sum())
+        if not len(self.total_step_ms):
+            return {"steps_timed": 0, "waste_frac": 0.0, "slowest_rank": 0,
+                    "busy_ms_per_rank": [], "wait_ms_per_rank": []}  # fmt: skip
+        stats = stats_from_waits(self.total_wait_ms, self.total_step_ms)
         return {
             "steps_timed": self.steps_timed,
-            "waste_frac": float(self.total_wait_ms.sum() / total) if total else 0.0,
-            "slowest_rank": int(np.argmax(busy)) if len(busy) else 0,
-            "busy_ms_per_rank": [round(float(b), 1) for b in busy],
-            "wait_ms_per_rank": [round(float(w), 1) for w in self.total_wait_ms],
+            "waste_frac": stats.waste_frac,
+            "slowest_rank": stats.worst_rank,
+            "busy_ms_per_rank": [round(float(b), 1) for b in stats.busy_ms],
+            "wait_ms_per_rank": [round(float(w), 1) for w in stats.wait_ms],
         }
 
     # -- checkpointing ---------------------------------------------------------------------------

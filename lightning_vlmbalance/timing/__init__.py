@@ -1,7 +1,7 @@
 """Straggler timing core: per-rank phase timers, the comm-hook wait timer, straggler statistics."""
 
 from lightning_vlmbalance.timing.comm_hook import timed_comm_hook
-from lightning_vlmbalance.timing.summary import StragglerStats, straggler_stats
+from lightning_vlmbalance.timing.summary import StragglerStats, stats_from_waits, straggler_stats
 from lightning_vlmbalance.timing.timer import PHASES, WAIT_PHASES, ResolvedStep, StepTimer
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "ResolvedStep",
     "StepTimer",
     "StragglerStats",
+    "stats_from_waits",
     "straggler_stats",
     "timed_comm_hook",
 ]

@@ -18,7 +18,7 @@ import numpy as np
 
 from lightning_vlmbalance.timing.timer import PHASES, WAIT_PHASES
 
-__all__ = ["StragglerStats", "straggler_stats"]
+__all__ = ["StragglerStats", "stats_from_waits", "straggler_stats"]
 
 _WAIT_IDX = [PHASES.index(p) for p in WAIT_PHASES]
 
@@ -46,7 +46,13 @@ def straggler_stats(phases_ms: np.ndarray, step_ms: np.ndarray) -> StragglerStat
             f"phases_ms must be (ranks, {len(PHASES)}) and match step_ms, got"
             f" {phases_ms.shape} and {step_ms.shape}"
         )
-    wait = phases_ms[:, _WAIT_IDX].sum(axis=1)
+    return stats_from_waits(phases_ms[:, _WAIT_IDX].sum(axis=1), step_ms)
+
+
+def stats_from_waits(wait_ms: np.ndarray, step_ms: np.ndarray) -> StragglerStats:
+    """Straggler statistics from each rank's waiting and step time (per step or summed)."""
+    wait = np.asarray(wait_ms, dtype=np.float64)
+    step_ms = np.asarray(step_ms, dtype=np.float64)
     busy = np.maximum(step_ms - wait, 0.0)
     total = step_ms.sum()
     median = float(np.median(busy))

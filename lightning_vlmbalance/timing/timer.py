@@ -125,10 +125,6 @@ class ResolvedStep:
     micro: list[dict[str, Any]]  # per micro-batch: features and phase milliseconds
     between_steps_ms: float = 0.0  # before the step: its first broadcast, after validation etc.
 
-    @property
-    def wait_ms(self) -> float:
-        return sum(self.phases_ms[p] for p in WAIT_PHASES)
-
     def to_json(self, rank: int, world_size: int) -> dict[str, Any]:
         return {
             "v": 1,
