@@ -6,11 +6,14 @@ Public API (everything else is private):
   :class:`PackCollator`, :func:`pack_greedy` (see ``docs/packing.md``).
 - Packed attention: :func:`packed_attention` (see ``docs/packed_attention.md``).
 - Straggler timing: :class:`StragglerMonitor` (see ``docs/straggler_monitor.md``).
+- Rebalancing core: :class:`CostModel`, :func:`plan_rebalance`, :class:`RebalancePlan` (see
+  ``docs/rebalancing.md``).
 - Synthetic data for examples and tests: :func:`synthetic_length_table`,
   :class:`SyntheticVLMDataset`, :func:`read_length_csv`.
 """
 
 from lightning_vlmbalance.attention import flash_attn_available, packed_attention
+from lightning_vlmbalance.balance import CostModel, RebalancePlan, plan_rebalance
 from lightning_vlmbalance.callbacks import StragglerMonitor
 from lightning_vlmbalance.packing import (
     IGNORE_INDEX,
@@ -36,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IGNORE_INDEX",
+    "CostModel",
     "EpochPlan",
     "LengthTable",
     "PackCollator",
@@ -43,6 +47,7 @@ __all__ = [
     "PackingConfig",
     "PackingSampler",
     "Packs",
+    "RebalancePlan",
     "StragglerMonitor",
     "SyntheticVLMDataset",
     "build_epoch_plan",
@@ -51,6 +56,7 @@ __all__ = [
     "pack_greedy",
     "packed_attention",
     "packing_efficiency",
+    "plan_rebalance",
     "read_length_csv",
     "synthetic_length_table",
 ]

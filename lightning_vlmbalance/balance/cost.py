@@ -1,0 +1,405 @@
+"""Cost model: a pack's vision and language-model milliseconds from a few integers.
+
+Pure numpy. The features of a pack are integers every rank can all-gather cheaply:
+
+==================  =====================================================================
+``total_tokens``    tokens in the pack (text + image)
+``image_tokens``    image tokens (what the vision encoder computes)
+``images``          number of images
+``image_sq_tokens`` sum over images of (tokens of that image)^2: attention inside each image
+``doc_sq_tokens``   sum over documents of (document length)^2: packed causal attention
+==================  =====================================================================
+
+Each phase is linear in the features of its module, with non-negative coefficients (ms per unit):
+
+* ``vision_fwd``, ``vision_bwd``: ``image_pack`` (1 if the pack has an image: the encoder's fixed
+  cost), ``images``, ``image_tokens``, ``image_sq_tokens``;
+* ``llm_fwd``, ``llm_bwd``: ``pack`` (1 per pack), ``total_tokens``, ``doc_sq_tokens``.
+
+Default coefficients: vision forward 60 ms + 0.28 ms per image token per pack (the production
+numbers in DESIGN.md: 3,000 image tokens -> 900 ms, 500 -> 200 ms), backward twice forward. The
+LLM defaults are an assumption of the same scale (about 300 ms forward for a full 8,192-token
+pack, a quarter of it attention), not a measurement: :meth:`CostModel.fit` replaces them with
+coefficients fitted to StragglerMonitor logs by non-negative least squares.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "FEATURES",
+    "PHASES",
+    "CostModel",
+    "FitReport",
+    "features_from_packs",
+    "nnls",
+    "read_monitor_jsonl",
+]
+
+FEATURES: tuple[str, ...] = (
+    "total_tokens",
+    "image_tokens",
+    "images",
+    "image_sq_tokens",
+    "doc_sq_tokens",
+)
+PHASES: tuple[str, ...] = ("vision_fwd", "vision_bwd", "llm_fwd", "llm_bwd")
+_VISION_TERMS = ("image_pack", "images", "image_tokens", "image_sq_tokens")
+_LLM_TERMS = ("pack", "total_tokens", "doc_sq_tokens")
+_TERMS = {
+    "vision_fwd": _VISION_TERMS,
+    "vision_bwd": _VISION_TERMS,
+    "llm_fwd": _LLM_TERMS,
+    "llm_bwd": _LLM_TERMS,
+}
+# StragglerMonitor micro-batch fields -> the phases whose sum they measure
+_MEASURED = {
+    "vision_fwd_ms": ("vision_fwd",),
+    "llm_fwd_ms": ("llm_fwd",),
+    "backward_ms": ("vision_bwd", "llm_bwd"),
+}
+_FORMAT_VERSION = 1
+
+
+def _default_coefficients() -> dict[str, dict[str, float]]:
+    vision_fwd = {"image_pack": 60.0, "images": 0.0, "image_tokens": 0.28, "image_sq_tokens": 0.0}
+    llm_fwd = {"pack": 20.0, "total_tokens": 0.03, "doc_sq_tokens": 1.0e-6}
+    return {
+        "vision_fwd": vision_fwd,
+        "vision_bwd": {k: 2.0 * v for k, v in vision_fwd.items()},
+        "llm_fwd": llm_fwd,
+        "llm_bwd": {k: 2.0 * v for k, v in llm_fwd.items()},
+    }
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """How well a fitted :class:`CostModel` explains the measurements it was fitted to.
+
+    Attributes:
+        samples: micro-batches used.
+        mape: mean absolute percentage error per measured field (``vision_fwd_ms``, ...) and for
+            their sum (``total_ms``), as a fraction (0.05 = 5%).
+        r2: coefficient of determination per field and for ``total_ms``.
+        fitted: the fields that were fitted; the phases of a field absent from the data keep
+            their previous coefficients.
+    """
+
+    samples: int
+    mape: dict[str, float]
+    r2: dict[str, float]
+    fitted: tuple[str, ...]
+
+    def __str__(self) -> str:
+        parts = [f"{k}: MAPE {self.mape[k]:.2%}, R^2 {self.r2[k]:.4f}" for k in self.mape]
+        return f"cost-model fit on {self.samples} micro-batches; " + "; ".join(parts)
+
+
+@dataclass(kw_only=True)
+class CostModel:
+    """Predicted milliseconds of a pack per phase; see the module docstring for the terms.
+
+    Args:
+        coefficients: ``{phase: {term: ms per unit}}``; missing phases or terms take the
+            defaults. Coefficients must be finite and non-negative.
+
+    Raises:
+        ValueError: for an unknown phase or term, or a negative or non-finite coefficient.
+
+    Example::
+
+        >>> model = CostModel()
+        >>> feats = {"total_tokens": [8192, 8192], "image_tokens": [3000, 500],
+        ...          "images": [3, 1], "image_sq_tokens": [3_000_000, 250_000],
+        ...          "doc_sq_tokens": [8192**2, 8192**2]}
+        >>> [round(x) for x in model.predict(feats)["vision_fwd"]]
+        [900, 200]
+    """
+
+    coefficients: dict[str, dict[str, float]] = field(default_factory=_default_coefficients)
+
+    def __post_init__(self) -> None:
+        merged = _default_coefficients()
+        for phase, terms in self.coefficients.items():
+            if phase not in merged:
+                raise ValueError(f"`CostModel`: unknown phase {phase!r}; phases are {PHASES}")
+            for term, value in terms.items():
+                if term not in merged[phase]:
+                    raise ValueError(
+                        f"`CostModel`: phase {phase!r} has no term {term!r};"
+                        f" its terms are {_TERMS[phase]}"
+                    )
+                value = float(value)
+                if not (math.isfinite(value) and value >= 0.0):
+                    raise ValueError(
+                        f"`CostModel`: coefficient {phase}.{term} = {value!r} must be finite"
+                        " and >= 0"
+                    )
+                merged[phase][term] = value
+        self.coefficients = merged
+
+    # -- prediction -------------------------------------------------------------------------
+
+    def predict(self, features: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Milliseconds per phase for each pack: ``{phase: (N,) float64}``."""
+        terms = _term_matrix(features)
+        return {
+            phase: terms[:, [_ALL_TERMS.index(t) for t in _TERMS[phase]]]
+            @ np.array([self.coefficients[phase][t] for t in _TERMS[phase]])
+            for phase in PHASES
+        }
+
+    def pack_cost_ms(self, features: Mapping[str, Any]) -> np.ndarray:
+        """Forward plus backward milliseconds of each pack, ``(N,) float64``."""
+        return np.sum(list(self.predict(features).values()), axis=0)
+
+    def pack_cost_us(self, features: Mapping[str, Any]) -> np.ndarray:
+        """:meth:`pack_cost_ms` rounded to integer microseconds: the planner's input."""
+        return np.rint(self.pack_cost_ms(features) * 1000.0).astype(np.int64)
+
+    # -- calibration ------------------------------------------------------------------------
+
+    def fit(self, records: Iterable[Mapping[str, Any]] | str | Path) -> FitReport:
+        """Fits the coefficients to measured micro-batch times, in place.
+
+        Args:
+            records: StragglerMonitor micro-batch records (dicts holding the pack features and
+                some of ``vision_fwd_ms``, ``llm_fwd_ms``, ``backward_ms``), or a path to a
+                StragglerMonitor JSON-lines file or a folder of them.
+
+        ``vision_fwd_ms`` fits the vision forward terms, ``llm_fwd_ms`` the LLM forward terms,
+        and ``backward_ms`` (vision and LLM backward together) all terms at once, split back
+        into the two backward phases. Each is a non-negative least-squares fit of relative
+        errors (timing noise grows with the time) on columns scaled to unit norm. A field absent
+        from every record leaves its phases unchanged.
+
+        Returns:
+            The :class:`FitReport` (errors of the fitted model on the same records).
+
+        Raises:
+            ValueError: if no record has the pack features and at least one measured field, or
+                a field has fewer usable records than the terms it fits.
+        """
+        if isinstance(records, str | Path):
+            records = read_monitor_jsonl(records)
+        rows = [r for r in records if all(r.get(f) is not None for f in FEATURES)]
+        if not rows:
+            raise ValueError(
+                "CostModel.fit: no micro-batch record has the pack features"
+                f" {FEATURES}; log packed batches (PackCollator) with the StragglerMonitor"
+            )
+        terms = _term_matrix({f: [r[f] for r in rows] for f in FEATURES})
+        fitted: list[str] = []
+        for measured, phases in _MEASURED.items():
+            have = np.array([r.get(measured) is not None for r in rows])
+            if not have.any():
+                continue
+            names = [t for p in phases for t in _TERMS[p]]
+            cols = [_ALL_TERMS.index(t) for t in names]
+            A = terms[have][:, cols]
+            y = np.array([r[measured] for r, h in zip(rows, have) if h], dtype=np.float64)
+            if len(y) < len(cols):
+                raise ValueError(
+                    f"CostModel.fit: {measured} has {len(y)} records, fewer than the"
+                    f" {len(cols)} terms it fits"
+                )
+            coef = _scaled_nnls(A, y)
+            at = 0
+            for phase in phases:
+                for term in _TERMS[phase]:
+                    self.coefficients[phase][term] = float(coef[at])
+                    at += 1
+            fitted.append(measured)
+        if not fitted:
+            raise ValueError(
+                "CostModel.fit: no record has a measured time"
+                f" ({', '.join(_MEASURED)}); is the StragglerMonitor timing the vision and"
+                " LLM modules?"
+            )
+        return self.evaluate(rows, fitted=tuple(fitted))
+
+    def evaluate(
+        self, records: Iterable[Mapping[str, Any]], fitted: tuple[str, ...] = tuple(_MEASURED)
+    ) -> FitReport:
+        """Errors of this model's predictions on measured micro-batch records."""
+        rows = [r for r in records if all(r.get(f) is not None for f in FEATURES)]
+        pred = self.predict({f: [r[f] for r in rows] for f in FEATURES})
+        mape: dict[str, float] = {}
+        r2: dict[str, float] = {}
+        complete = np.ones(len(rows), dtype=bool)
+        total_y = np.zeros(len(rows))
+        total_p = np.zeros(len(rows))
+        for measured, phases in _MEASURED.items():
+            if measured not in fitted:
+                continue
+            have = np.array([r.get(measured) is not None for r in rows])
+            complete &= have
+            y = np.array([r[measured] if h else 0.0 for r, h in zip(rows, have)])
+            p = np.sum([pred[ph] for ph in phases], axis=0)
+            mape[measured], r2[measured] = _errors(y[have], p[have])
+            total_y += y
+            total_p += p
+        if complete.any():
+            mape["total_ms"], r2["total_ms"] = _errors(total_y[complete], total_p[complete])
+        return FitReport(samples=len(rows), mape=mape, r2=r2, fitted=fitted)
+
+    # -- persistence ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": _FORMAT_VERSION, "unit": "ms", "coefficients": self.coefficients}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
+        if data.get("version") != _FORMAT_VERSION or data.get("unit") != "ms":
+            raise ValueError(
+                f"CostModel.from_dict: expected version {_FORMAT_VERSION} in ms, got"
+                f" version={data.get('version')!r} unit={data.get('unit')!r}"
+            )
+        return cls(coefficients={p: dict(t) for p, t in data["coefficients"].items()})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"CostModel.load: {path} is not JSON: {err}") from err
+        return cls.from_dict(data)
+
+
+_ALL_TERMS: tuple[str, ...] = (*_VISION_TERMS, *_LLM_TERMS)
+
+
+def _term_matrix(features: Mapping[str, Any]) -> np.ndarray:
+    """``(N, terms)`` float64 design matrix in ``_ALL_TERMS`` order."""
+    missing = [f for f in FEATURES if f not in features]
+    if missing:
+        raise ValueError(f"CostModel: features {missing} are missing (need {FEATURES})")
+    cols = {f: np.asarray(features[f], dtype=np.float64).reshape(-1) for f in FEATURES}
+    n = len(cols["total_tokens"])
+    for f, col in cols.items():
+        if len(col) != n:
+            raise ValueError(f"CostModel: feature {f!r} has {len(col)} values, expected {n}")
+        if not np.isfinite(col).all() or (col < 0).any():
+            bad = int(np.flatnonzero(~np.isfinite(col) | (col < 0))[0])
+            raise ValueError(f"CostModel: pack {bad} has {f} = {col[bad]!r} (must be >= 0)")
+    cols["image_pack"] = (cols["images"] > 0).astype(np.float64)
+    cols["pack"] = np.ones(n)
+    return np.stack([cols[t] for t in _ALL_TERMS], axis=1)
+
+
+def _errors(y: np.ndarray, p: np.ndarray) -> tuple[float, float]:
+    pos = y > 0
+    mape = float(np.mean(np.abs(p[pos] - y[pos]) / y[pos])) if pos.any() else float("nan")
+    ss_res = float(np.sum((y - p) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    return mape, (1.0 - ss_res / ss_tot) if ss_tot > 0 else float("nan")
+
+
+def _scaled_nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """NNLS of *relative* errors on unit-norm columns.
+
+    Timing noise is roughly proportional to the time, so each row is divided by its measured
+    value (a row measuring 0 ms by the median instead); the columns span ~10
+    orders of magnitude and are scaled to unit norm. All-zero columns get a zero coefficient.
+    """
+    weight = 1.0 / np.where(y > 0, y, np.median(y[y > 0]) if (y > 0).any() else 1.0)
+    A = A * weight[:, None]
+    y = y * weight
+    norms = np.linalg.norm(A, axis=0)
+    live = norms > 0
+    coef = np.zeros(A.shape[1])
+    if live.any():
+        coef[live] = nnls(A[:, live] / norms[live], y) / norms[live]
+    return coef
+
+
+def nnls(A: np.ndarray, y: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """Non-negative least squares ``argmin_{x >= 0} |A x - y|`` (Lawson and Hanson, 1974, ch. 23).
+
+    The active-set method: grow the set of positive coefficients by the most negative gradient
+    component, solve unconstrained least squares on it, and step back to the boundary whenever
+    a coefficient would turn negative.
+    """
+    A = np.asarray(A, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    n = A.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(np.float64).eps * np.linalg.norm(A, 1) * max(A.shape)
+    for _ in range(max_iter or 3 * n):
+        w = A.T @ (y - A @ x)
+        if passive.all() or w[~passive].max(initial=-np.inf) <= tol:
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(A[:, passive], y, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x
+
+
+def read_monitor_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The micro-batch records of StragglerMonitor JSON-lines files (a file or a folder).
+
+    Raises:
+        ValueError: for a line that is not a JSON object (naming the file and line), or when
+            no file is found.
+    """
+    path = Path(path)
+    files = sorted(path.glob("rank_*.jsonl")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"read_monitor_jsonl: no StragglerMonitor JSON-lines file at {path}")
+    records: list[dict[str, Any]] = []
+    for f in files:
+        with open(f) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    step = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{f}:{lineno}: not JSON ({err})") from err
+                if not isinstance(step, dict):
+                    raise ValueError(f"{f}:{lineno}: expected a JSON object")
+                records.extend(step.get("micro", []))
+    return records
+
+
+def features_from_packs(
+    packs: Any, total_tokens: np.ndarray, image_tokens: np.ndarray, images: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Pack features from a per-sample length table and a :class:`~..packing.Packs`.
+
+    A sample's image tokens are taken as split evenly over its images (the length table has no
+    per-image sizes); each sample is one document.
+    """
+    total = np.asarray(total_tokens, dtype=np.int64)
+    image = np.asarray(image_tokens, dtype=np.int64)
+    count = np.asarray(images, dtype=np.int64)
+    image_sq = np.where(count > 0, image * image // np.maximum(count, 1), 0)
+    return {
+        "total_tokens": packs.tokens(total),
+        "image_tokens": packs.tokens(image),
+        "images": packs.tokens(count),
+        "image_sq_tokens": packs.tokens(image_sq),
+        "doc_sq_tokens": packs.tokens(total * total),
+    }

@@ -1,0 +1,183 @@
+"""The cost model: defaults, NNLS calibration from monitor records, persistence, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lightning_vlmbalance.balance import (
+    FEATURES,
+    CostModel,
+    features_from_packs,
+    nnls,
+    read_monitor_jsonl,
+)
+from lightning_vlmbalance.packing import pack_greedy
+from lightning_vlmbalance.synthetic import synthetic_length_table
+
+TRUE = {
+    "vision_fwd": {
+        "image_pack": 45.0,
+        "images": 6.0,
+        "image_tokens": 0.21,
+        "image_sq_tokens": 2e-5,
+    },
+    "vision_bwd": {
+        "image_pack": 80.0,
+        "images": 9.0,
+        "image_tokens": 0.45,
+        "image_sq_tokens": 5e-5,
+    },
+    "llm_fwd": {"pack": 15.0, "total_tokens": 0.025, "doc_sq_tokens": 1.5e-6},
+    "llm_bwd": {"pack": 25.0, "total_tokens": 0.055, "doc_sq_tokens": 3.5e-6},
+}
+
+
+def _random_features(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    images = rng.integers(0, 6, n)
+    per_image = rng.integers(64, 1800, n)
+    image_tokens = images * per_image
+    total = image_tokens + rng.integers(200, 6000, n)
+    docs = rng.integers(1, 12, n)
+    return {
+        "total_tokens": total,
+        "image_tokens": image_tokens,
+        "images": images,
+        "image_sq_tokens": images * per_image**2,
+        "doc_sq_tokens": total**2 // docs,
+    }
+
+
+def _records(n: int, noise: float, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    feats = _random_features(n, rng)
+    truth = CostModel(coefficients=TRUE).predict(feats)
+
+    def noisy(x):
+        return x * (1.0 + noise * rng.standard_normal(n))
+
+    measured = {
+        "vision_fwd_ms": noisy(truth["vision_fwd"]),
+        "llm_fwd_ms": noisy(truth["llm_fwd"]),
+        "backward_ms": noisy(truth["vision_bwd"] + truth["llm_bwd"]),
+    }
+    return [
+        {**{f: int(feats[f][i]) for f in FEATURES}, **{k: float(v[i]) for k, v in measured.items()}}
+        for i in range(n)
+    ]
+
+
+def test_defaults_reproduce_the_design_numbers() -> None:
+    """3,000 image tokens -> 900 ms vision forward, 500 -> 200 ms; backward twice forward."""
+    feats = {
+        "total_tokens": [8192, 8192, 8192],
+        "image_tokens": [3000, 500, 0],
+        "images": [3, 1, 0],
+        "image_sq_tokens": [3 * 1000**2, 500**2, 0],
+        "doc_sq_tokens": [8192**2] * 3,
+    }
+    pred = CostModel().predict(feats)
+    np.testing.assert_allclose(pred["vision_fwd"], [900.0, 200.0, 0.0])
+    np.testing.assert_allclose(pred["vision_bwd"], 2 * pred["vision_fwd"])
+    np.testing.assert_allclose(pred["llm_bwd"], 2 * pred["llm_fwd"])
+    cost_us = CostModel().pack_cost_us(feats)
+    assert cost_us.dtype == np.int64 and cost_us[0] > cost_us[1] > cost_us[2] > 0
+
+
+def test_fit_recovers_known_coefficients_from_noisy_timings() -> None:
+    """NNLS on 2% noisy synthetic timings recovers every coefficient within 5%."""
+    model = CostModel()
+    report = model.fit(_records(10_000, noise=0.02))
+    for phase, terms in TRUE.items():
+        for term, value in terms.items():
+            got = model.coefficients[phase][term]
+            assert got == pytest.approx(value, rel=0.05), (phase, term, got, value)
+    assert set(report.fitted) == {"vision_fwd_ms", "llm_fwd_ms", "backward_ms"}
+    assert report.mape["total_ms"] < 0.03
+    assert report.r2["total_ms"] > 0.99
+    assert "MAPE" in str(report)
+
+
+def test_fit_keeps_phases_without_measurements() -> None:
+    records = [{k: v for k, v in r.items() if k != "vision_fwd_ms"} for r in _records(500, 0.0)]
+    model = CostModel()
+    before = dict(model.coefficients["vision_fwd"])
+    report = model.fit(records)
+    assert model.coefficients["vision_fwd"] == before
+    assert "vision_fwd_ms" not in report.fitted
+
+
+def test_fit_reads_monitor_jsonl(tmp_path) -> None:
+    """A StragglerMonitor JSON-lines folder (records under "micro") is a valid input."""
+    records = _records(600, noise=0.0, seed=1)
+    for rank in range(2):
+        lines = [
+            json.dumps({"v": 1, "rank": rank, "micro": records[i : i + 4]})
+            for i in range(rank * 300, rank * 300 + 300, 4)
+        ]
+        (tmp_path / f"rank_{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    assert len(read_monitor_jsonl(tmp_path)) == 600
+    model = CostModel()
+    report = model.fit(tmp_path)
+    assert report.samples == 600 and report.mape["total_ms"] < 1e-6
+
+
+def test_save_load_round_trip(tmp_path) -> None:
+    model = CostModel(coefficients={"llm_fwd": {"total_tokens": 0.05}})
+    model.save(tmp_path / "cost.json")
+    loaded = CostModel.load(tmp_path / "cost.json")
+    assert loaded.coefficients == model.coefficients
+    assert loaded.coefficients["vision_fwd"]["image_tokens"] == 0.28  # defaults fill the rest
+
+
+@pytest.mark.parametrize(
+    ("coefficients", "match"),
+    [
+        ({"optimizer": {}}, "unknown phase"),
+        ({"llm_fwd": {"image_tokens": 1.0}}, "has no term"),
+        ({"llm_fwd": {"pack": -1.0}}, "finite and >= 0"),
+        ({"llm_fwd": {"pack": float("inf")}}, "finite and >= 0"),
+    ],
+)
+def test_bad_coefficients_are_named(coefficients, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        CostModel(coefficients=coefficients)
+
+
+def test_bad_inputs_are_named(tmp_path) -> None:
+    with pytest.raises(ValueError, match="features"):
+        CostModel().predict({"total_tokens": [1]})
+    feats = {f: [1, 2] for f in FEATURES} | {"images": [1, -1]}
+    with pytest.raises(ValueError, match="pack 1 has images"):
+        CostModel().predict(feats)
+    with pytest.raises(ValueError, match="no micro-batch record"):
+        CostModel().fit([{"vision_fwd_ms": 1.0}])
+    (tmp_path / "bad.jsonl").write_text('{"micro": []}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        read_monitor_jsonl(tmp_path / "bad.jsonl")
+    (tmp_path / "c.json").write_text('{"version": 2, "unit": "ms"}')
+    with pytest.raises(ValueError, match="version"):
+        CostModel.load(tmp_path / "c.json")
+
+
+def test_nnls_matches_the_unconstrained_solution_when_it_is_positive() -> None:
+    rng = np.random.default_rng(4)
+    A = rng.random((50, 4))
+    x = np.array([1.0, 2.0, 0.5, 3.0])
+    np.testing.assert_allclose(nnls(A, A @ x), x, rtol=1e-9)
+    # a negative optimum is clipped to the boundary
+    y = A @ np.array([1.0, -2.0, 0.5, 3.0])
+    sol = nnls(A, y)
+    assert (sol >= 0).all() and sol[1] == 0.0
+
+
+def test_features_from_packs_sums_per_pack() -> None:
+    table = synthetic_length_table(500, seed=0)
+    total = np.asarray(table.total_tokens)
+    packs = pack_greedy(total, 2048)
+    f = features_from_packs(packs, total, table.image_tokens, table.images)
+    assert f["total_tokens"].sum() == total.sum()
+    assert (f["doc_sq_tokens"] >= f["total_tokens"]).all()
+    assert (f["image_sq_tokens"] <= f["image_tokens"] ** 2).all()
