@@ -21,9 +21,12 @@ Objectives (what the synchronisation model makes a rank wait for):
 Two phases. Phase 1 finds the balance-optimal value ignoring where packs are; phase 2 finds a
 placement within ``tolerance`` of it that moves as few packs as possible. For ``"microstep"`` with
 one pack per micro-batch phase 1 is exact (sort by cost, cut into runs of ``R``: the run heads
-are the micro-step maxima) and phase 2 is the *deadline* formulation below; for ``"step"`` phase
-1 is a round-wise longest-processing-time assignment refined by pairwise swaps, and phase 2
-repairs the baseline by swaps.
+are the micro-step maxima) and phase 2 is the *deadline* formulation below. For ``"step"``
+(NP-hard: balanced number partitioning) phase 1 is the balanced largest differencing method and
+phase 2 repairs the baseline with swaps, re-solving a growing neighbourhood of ranks when swaps
+do not reach the budget. With ``K > 1`` phase 1 cuts runs of ``R*K`` packs, fills each run's
+micro-batches heaviest pack to lightest rank, and phase 2 relabels micro-batches to the ranks
+holding most of their packs.
 
 Phase 2 for ``"microstep"`` (docs/rebalancing.md has the argument): give micro-step ``m`` a cap
 ``cap_G[m]`` (the phase-1 run heads, raised within the tolerance budget). A pack may run in any
@@ -35,8 +38,10 @@ free; keeping it at an earlier micro-step ``m`` uses one unit of slack at every 
 ``m .. deadline-1``. The planner walks the micro-steps from the last to the first; at each one a
 rank keeps an own pack due there if it has one, otherwise the pending own pack with the earliest
 deadline if the slack allows. All other packs move, filled into the free slots earliest deadline
-first. With distinct costs and tolerance 0 the slack is zero and the micro-steps' contents are
-forced: then no placement moves fewer packs than keeping one own pack per rank and run.
+first. With a tolerance two cap choices are tried (heads raised in proportion, and heads raised
+toward the no-move caps of each rank sorting its own packs); the naive plan is the fallback, so
+moves never exceed it. With distinct costs and tolerance 0 the slack is zero and the
+micro-steps' contents are forced: then no placement moves fewer packs than the naive one.
 """
 
 from __future__ import annotations
@@ -642,8 +647,9 @@ def _bldm(cost_N: np.ndarray, packs_P: np.ndarray, R: int) -> tuple[np.ndarray, 
     Balanced largest differencing (BLDM): each run of ``R`` packs by cost is a partial
     solution of ``R`` one-pack sets; repeatedly the two partial solutions with the largest
     spread (max - min set sum) merge by joining the heaviest sets of one to the lightest of the
-    other, so their spreads cancel (Karmarkar and Karp, 1982; the balanced variant: Michiels,
-    Korst, Aarts, van Leeuwen and Spieksma, 2003).
+    other, so their spreads cancel (the differencing method of Karmarkar and Karp, 1982, in
+    its balanced form: Yakir, 1996, for two sets; Michiels, Korst, Aarts and van Leeuwen,
+    2003, for k sets).
     """
     order_P = packs_P[_sorted_order(cost_N[packs_P])]
     parts: list[tuple[np.ndarray, np.ndarray]] = []  # (set sums (R,), members (R, x))
