@@ -354,6 +354,10 @@ def _plan_microstep(
     caps under which no pack moves) as far as the budget allows. The naive plan is the last
     resort, so the moves never exceed its count.
     """
+    # the local sort (each rank its own packs, heaviest first) moves nothing: take it if it fits
+    local_RG = -np.sort(-cost_N[_argsort_by_key(origin_N)].reshape(R, G), axis=1)
+    if int(local_RG.max(axis=0).sum()) <= _budget(int(heads_G.sum()), tolerance):
+        return _local_sort_assignment(cost_N, origin_N, R, G)
     if tolerance > 0:
         caps = [
             _raise_caps(heads_G, tolerance),
@@ -391,11 +395,18 @@ def _naive_assignment(
     return assignment_RG[:, :, None]
 
 
+def _local_sort_assignment(cost_N: np.ndarray, origin_N: np.ndarray, R: int, G: int) -> np.ndarray:
+    """Every rank computes its own packs, heaviest first (ties by index): no move."""
+    own_RG = _argsort_by_key(origin_N).reshape(R, G)  # each rank's packs, by index
+    by_cost = np.argsort(-cost_N[own_RG], axis=1, kind="stable")
+    return np.take_along_axis(own_RG, by_cost, axis=1)[:, :, None]
+
+
 def _caps_toward_local(
     cost_N: np.ndarray, origin_N: np.ndarray, heads_G: np.ndarray, R: int, G: int, tolerance: float
 ) -> np.ndarray:
     """The run heads moved toward the local sort's micro-step maxima, within the budget."""
-    local_RG = np.sort(cost_N[_argsort_by_key(origin_N)].reshape(R, G), axis=1)[:, ::-1]
+    local_RG = -np.sort(-cost_N[_argsort_by_key(origin_N)].reshape(R, G), axis=1)
     local_G = local_RG.max(axis=0)
     total = int(heads_G.sum())
     extra = _budget(total, tolerance) - total
