@@ -185,8 +185,9 @@ class CostModel:
             The :class:`FitReport` (errors of the fitted model on the same records).
 
         Raises:
-            ValueError: if no record has the pack features and at least one measured field, or
-                a field has fewer usable records than the terms it fits.
+            ValueError: if no record has the pack features and at least one measured field, a
+                measured time is negative or not finite (naming the record), or a field has
+                fewer usable records than the terms it fits. The model is unchanged then.
         """
         if isinstance(records, str | Path):
             records = read_monitor_jsonl(records)
@@ -198,6 +199,7 @@ class CostModel:
             )
         terms = _term_matrix({f: [r[f] for r in rows] for f in FEATURES})
         fitted: list[str] = []
+        new = {phase: dict(terms_) for phase, terms_ in self.coefficients.items()}
         for measured, phases in _MEASURED.items():
             have = np.array([r.get(measured) is not None for r in rows])
             if not have.any():
@@ -206,17 +208,21 @@ class CostModel:
             cols = [_ALL_TERMS.index(t) for t in names]
             A = terms[have][:, cols]
             y = np.array([r[measured] for r, h in zip(rows, have) if h], dtype=np.float64)
+            bad = ~np.isfinite(y) | (y < 0)
+            if bad.any():
+                i = int(np.flatnonzero(have)[np.flatnonzero(bad)[0]])
+                raise ValueError(
+                    f"CostModel.fit: record {i} has {measured} = {rows[i][measured]!r}"
+                    " (must be a finite time >= 0)"
+                )
             if len(y) < len(cols):
                 raise ValueError(
                     f"CostModel.fit: {measured} has {len(y)} records, fewer than the"
                     f" {len(cols)} terms it fits"
                 )
             coef = _scaled_nnls(A, y)
-            at = 0
-            for phase in phases:
-                for term in _TERMS[phase]:
-                    self.coefficients[phase][term] = float(coef[at])
-                    at += 1
+            for term_at, (phase, term) in enumerate((p, t) for p in phases for t in _TERMS[p]):
+                new[phase][term] = float(coef[term_at])
             fitted.append(measured)
         if not fitted:
             raise ValueError(
@@ -224,6 +230,7 @@ class CostModel:
                 f" ({', '.join(_MEASURED)}); is the StragglerMonitor timing the vision and"
                 " LLM modules?"
             )
+        self.coefficients = new  # all fields fitted: only now replace the model
         return self.evaluate(rows, fitted=tuple(fitted))
 
     def evaluate(

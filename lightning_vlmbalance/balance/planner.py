@@ -19,14 +19,16 @@ Objectives (what the synchronisation model makes a rank wait for):
 * ``"both"``: ``"microstep"`` first, then the per-rank totals as the tie-breaker.
 
 Two phases. Phase 1 finds the balance-optimal value ignoring where packs are; phase 2 finds a
-placement within ``tolerance`` of it that moves as few packs as possible. For ``"microstep"`` with
-one pack per micro-batch phase 1 is exact (sort by cost, cut into runs of ``R``: the run heads
-are the micro-step maxima) and phase 2 is the *deadline* formulation below. For ``"step"``
-(NP-hard: balanced number partitioning) phase 1 is the balanced largest differencing method and
-phase 2 repairs the baseline with swaps, re-solving a growing neighbourhood of ranks when swaps
-do not reach the budget. With ``K > 1`` phase 1 cuts runs of ``R*K`` packs, fills each run's
-micro-batches heaviest pack to lightest rank, and phase 2 relabels micro-batches to the ranks
-holding most of their packs.
+placement within ``tolerance`` of it that moves few packs (for ``"microstep"`` at tolerance 0
+provably the fewest with distinct costs, and the fewest in every brute-forced small case with
+ties; a heuristic otherwise). For ``"microstep"`` with one pack per micro-batch phase 1 is exact
+(sort by cost, cut into runs of ``R``: the run heads are the micro-step maxima) and phase 2 is
+the *deadline* formulation below. For ``"step"`` (NP-hard: balanced number partitioning) phase 1
+is the balanced largest differencing method and phase 2 repairs the baseline with swaps,
+re-solving a growing neighbourhood of ranks when swaps do not reach the budget. With ``K > 1``
+phase 1 cuts runs of ``R*K`` packs, fills each run's micro-batches heaviest pack to lightest
+rank, and phase 2 relabels micro-batches to the ranks holding most of their packs (tolerance and
+the ``"both"`` tie-break unused).
 
 Phase 2 for ``"microstep"`` (docs/rebalancing.md has the argument): give micro-step ``m`` a cap
 ``cap_G[m]`` (the phase-1 run heads, raised within the tolerance budget). A pack may run in any
@@ -60,6 +62,8 @@ OBJECTIVES: tuple[str, ...] = ("microstep", "step", "both")
 _SWAP_ROUNDS = 32
 # Lighter packs tried per held pack in a covering swap.
 _CANDIDATES = 8
+# Largest total cost (and budget) the integer arithmetic accepts.
+_MAX_TOTAL = 2**62
 # Light ranks an overloaded rank may swap with in one round when no one swap covers it.
 _PARTNERS = 3
 
@@ -274,6 +278,11 @@ def _check_inputs(
     if (cost_N < 0).any():
         bad = int(np.flatnonzero(cost_N < 0)[0])
         raise ValueError(f"plan_rebalance: pack {bad} has a negative cost {int(cost_N[bad])}")
+    if len(cost_N) and int(cost_N.max()) * len(cost_N) >= _MAX_TOTAL:
+        raise ValueError(
+            f"plan_rebalance: costs up to {int(cost_N.max())} over {len(cost_N)} packs may overflow"
+            " int64 sums; use a coarser unit (e.g. microseconds)"
+        )
     if ((origin_N < 0) | (origin_N >= R)).any():
         bad = int(np.flatnonzero((origin_N < 0) | (origin_N >= R))[0])
         raise ValueError(
@@ -327,8 +336,9 @@ def _value(cost_RG: np.ndarray, objective: str) -> int:
 
 
 def _budget(value: int, tolerance: float) -> int:
-    """The largest objective value phase 2 may reach."""
-    return value + int(np.floor(tolerance * value))
+    """The largest objective value phase 2 may reach (at most ``_MAX_TOTAL``: no overflow)."""
+    extra = tolerance * value
+    return min(value + int(extra) if extra < _MAX_TOTAL else _MAX_TOTAL, _MAX_TOTAL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,13 +418,15 @@ def _caps_toward_local(
     """The run heads moved toward the local sort's micro-step maxima, within the budget."""
     local_RG = -np.sort(-cost_N[_argsort_by_key(origin_N)].reshape(R, G), axis=1)
     local_G = local_RG.max(axis=0)
-    total = int(heads_G.sum())
+    heads = [int(h) for h in heads_G]  # python ints: (local - head) * extra may not fit in int64
+    local = [int(v) for v in local_G]
+    total = sum(heads)
     extra = _budget(total, tolerance) - total
-    span = int(local_G.sum()) - total
+    span = sum(local) - total
     if span <= extra:
         return local_G
-    cap_G = heads_G + ((local_G - heads_G) * extra) // span
-    return np.minimum.accumulate(cap_G)
+    caps = [h + (v - h) * extra // span for h, v in zip(heads, local)]
+    return np.minimum.accumulate(np.array(caps, dtype=np.int64))
 
 
 def _keep_decisions(
@@ -521,15 +533,14 @@ def _raise_caps(heads_G: np.ndarray, tolerance: float) -> np.ndarray:
     Raising micro-step 0's cap frees nothing (no pack is heavier); the others rise in proportion
     to their heads, never above the heaviest pack, so the caps stay non-increasing.
     """
-    heads_G = heads_G.astype(np.int64)
-    total = int(heads_G.sum())
+    heads = [int(h) for h in heads_G]  # python ints: extra * head may not fit in int64
+    total = sum(heads)
     extra = _budget(total, tolerance) - total
-    rest = int(heads_G[1:].sum())
+    rest = total - heads[0]
     if extra <= 0 or rest <= 0:
-        return heads_G.copy()
-    cap_G = heads_G.copy()
-    cap_G[1:] += (extra * heads_G[1:]) // rest
-    return np.minimum(cap_G, heads_G[0])
+        return heads_G.astype(np.int64)
+    caps = [heads[0]] + [min(h + extra * h // rest, heads[0]) for h in heads[1:]]
+    return np.array(caps, dtype=np.int64)
 
 
 def _fill_free_slots(

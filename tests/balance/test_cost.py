@@ -162,22 +162,53 @@ def test_bad_inputs_are_named(tmp_path) -> None:
         CostModel.load(tmp_path / "c.json")
 
 
-def test_nnls_matches_the_unconstrained_solution_when_it_is_positive() -> None:
+def test_nnls_meets_the_optimality_conditions() -> None:
+    """x >= 0; the gradient A^T(Ax - y) is 0 where x > 0 and >= 0 where x = 0 (KKT)."""
     rng = np.random.default_rng(4)
+    for case in range(200):
+        m, n = int(rng.integers(3, 40)), int(rng.integers(1, 8))
+        A = rng.random((m, n)) * 10.0 ** rng.integers(-3, 4, n)
+        y = A @ rng.normal(size=n) + 0.1 * rng.normal(size=m)
+        x = nnls(A, y)
+        grad = A.T @ (A @ x - y)
+        scale = np.linalg.norm(A, axis=0) * (np.linalg.norm(y) + 1)
+        assert (x >= 0).all(), case
+        assert np.all(np.abs(grad[x > 0]) <= 1e-8 * scale[x > 0]), case
+        assert np.all(grad[x == 0] >= -1e-8 * scale[x == 0]), case
+    # a positive unconstrained optimum is returned as is
     A = rng.random((50, 4))
-    x = np.array([1.0, 2.0, 0.5, 3.0])
-    np.testing.assert_allclose(nnls(A, A @ x), x, rtol=1e-9)
-    # a negative optimum is clipped to the boundary
-    y = A @ np.array([1.0, -2.0, 0.5, 3.0])
-    sol = nnls(A, y)
-    assert (sol >= 0).all() and sol[1] == 0.0
+    np.testing.assert_allclose(nnls(A, A @ np.array([1.0, 2.0, 0.5, 3.0])), [1, 2, 0.5, 3])
 
 
 def test_features_from_packs_sums_per_pack() -> None:
     table = synthetic_length_table(500, seed=0)
     total = np.asarray(table.total_tokens)
+    image = np.asarray(table.image_tokens)
+    images = np.asarray(table.images)
     packs = pack_greedy(total, 2048)
-    f = features_from_packs(packs, total, table.image_tokens, table.images)
-    assert f["total_tokens"].sum() == total.sum()
-    assert (f["doc_sq_tokens"] >= f["total_tokens"]).all()
-    assert (f["image_sq_tokens"] <= f["image_tokens"] ** 2).all()
+    f = features_from_packs(packs, total, image, images)
+    for i in range(len(packs)):
+        ids = packs[i]
+        assert f["total_tokens"][i] == total[ids].sum()
+        assert f["image_tokens"][i] == image[ids].sum()
+        assert f["images"][i] == images[ids].sum()
+        assert f["doc_sq_tokens"][i] == (total[ids] ** 2).sum()
+        per_image = np.where(images[ids] > 0, image[ids] ** 2 // np.maximum(images[ids], 1), 0)
+        assert f["image_sq_tokens"][i] == per_image.sum()
+
+
+def test_fit_rejects_bad_times_and_leaves_the_model_unchanged() -> None:
+    records = _records(200, noise=0.0)
+    records[17]["llm_fwd_ms"] = float("nan")
+    model = CostModel()
+    before = {p: dict(t) for p, t in model.coefficients.items()}
+    with pytest.raises(ValueError, match="record 17 has llm_fwd_ms = nan"):
+        model.fit(records)
+    assert model.coefficients == before
+    # too few records for the backward terms: vision forward must not be half-fitted either
+    few = [dict(r) for r in _records(40, noise=0.0)]
+    for r in few[3:]:
+        del r["backward_ms"]
+    with pytest.raises(ValueError, match="backward_ms has 3 records"):
+        model.fit(few)
+    assert model.coefficients == before

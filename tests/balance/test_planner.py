@@ -20,7 +20,7 @@ def batches(draw, max_ranks: int = 8, max_steps: int = 6, max_k: int = 3):
     R = draw(st.integers(1, max_ranks))
     G = draw(st.integers(1, max_steps))
     K = draw(st.integers(1, max_k))
-    hi = draw(st.sampled_from([3, 50, 10**7]))
+    hi = draw(st.sampled_from([3, 50, 10**7, 10**12]))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     cost = rng.integers(0, hi, R * G * K)
@@ -47,14 +47,19 @@ def _check_plan(plan, cost, origin, R, G, K, objective, tolerance) -> None:
     assert np.array_equal(plan.moves[:, 0], moved)
     assert np.array_equal(plan.moves[:, 1], origin[moved])
     assert np.array_equal(plan.moves[:, 2], rank_of[moved])
-    # within the tolerance of phase 1, never below the lower bound
-    assert plan.value <= plan.optimal_value + int(np.floor(tolerance * plan.optimal_value))
+    # within the tolerance of phase 1 (exact integer arithmetic), never below the lower bound
+    extra = tolerance * plan.optimal_value
+    assert extra >= 2**62 or plan.value <= plan.optimal_value + int(extra)
     assert plan.value >= plan.lower_bound - 1e-9
     assert plan.waste_lower_bound <= plan.waste_after + 1e-12
 
 
 @settings(max_examples=300, deadline=None)
-@given(batches(), st.sampled_from(OBJECTIVES), st.sampled_from([0.0, 0.001, 0.05, 0.5]))
+@given(
+    batches(),
+    st.sampled_from(OBJECTIVES),
+    st.sampled_from([0.0, 1e-6, 0.001, 0.05, 0.5, 1.0, 100.0, 1e308]),
+)
 def test_plan_is_a_permutation_within_tolerance(case, objective, tolerance) -> None:
     """Every pack is computed exactly once, and the plan is within the tolerance of phase 1."""
     cost, origin, R, G, K = case
@@ -111,7 +116,8 @@ def _brute_force_moves(cost, origin, R, G, budget) -> int:
     return best
 
 
-def test_microstep_moves_match_brute_force_on_small_batches() -> None:
+@pytest.mark.parametrize("objective", ["microstep", "both"])
+def test_microstep_moves_match_brute_force_on_small_batches(objective) -> None:
     """On 2-3 ranks x 2-3 micro-steps with many ties, phase 2 finds the fewest moves."""
     rng = np.random.default_rng(1)
     checked = 0
@@ -122,7 +128,7 @@ def test_microstep_moves_match_brute_force_on_small_batches() -> None:
         cost = rng.integers(1, 5, R * G)
         origin = np.repeat(np.arange(R), G)[rng.permutation(R * G)]
         tolerance = float(rng.choice([0.0, 0.1, 0.3]))
-        plan = plan_rebalance(cost, origin, R, G, tolerance=tolerance)
+        plan = plan_rebalance(cost, origin, R, G, objective=objective, tolerance=tolerance)
         budget = plan.optimal_value + int(np.floor(tolerance * plan.optimal_value))
         assert plan.moved_packs == _brute_force_moves(cost, origin, R, G, budget)
         checked += 1
@@ -166,6 +172,13 @@ def test_one_micro_step_or_one_rank_needs_no_move() -> None:
     assert plan.moved_packs == 0 and plan.value == cost.sum()
 
 
+def test_large_costs_keep_the_budget() -> None:
+    """Cap arithmetic with costs ~1e12 and a tolerance must not overflow int64."""
+    cost = np.array([636961687321, 269786713763, 40973523936, 16527635528])
+    plan = plan_rebalance(cost, np.array([0, 0, 1, 1]), 2, 2, tolerance=0.001)
+    assert plan.value <= plan.optimal_value * 1.001
+
+
 def _plan_digest(args) -> str:
     cost, origin, R, G, objective, tolerance = args
     plan = plan_rebalance(cost, origin, R, G, objective=objective, tolerance=tolerance)
@@ -205,6 +218,7 @@ def test_identical_plans_in_separate_processes() -> None:
         ({"origin": np.array([0, 0, 0, 0, 1, 1, 1, 2])}, "pack 7 has origin rank 2"),
         ({"origin": np.array([0, 0, 0, 0, 0, 1, 1, 1])}, "rank 0 holds 5 packs"),
         ({"micro_steps": 3}, "8 packs"),
+        ({"cost": np.full(8, 2**60)}, "overflow"),
     ],
 )
 def test_bad_input_is_named(kwargs, match) -> None:
