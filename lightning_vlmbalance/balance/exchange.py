@@ -1,0 +1,207 @@
+"""Pack exchange: send and receive only the packs that move, as raw tensor bytes, on a group.
+
+A pack is any nested ``dict`` / ``list`` / ``tuple`` of tensors and plain values (``int``,
+``float``, ``bool``, ``str``, ``None``), e.g. a ``PackedBatch``. :func:`encode_pack` flattens it
+into two ``uint8`` tensors: a JSON *spec* (the structure, plain values, and dtype/shape/offset of
+each tensor) and one *payload* with every tensor's bytes. No pickle on the data path: a receiver
+only ever interprets bytes as the dtypes and shapes the spec names.
+
+:func:`exchange_packs` moves one global batch's packs over a process group (meant to be a
+dedicated one, so the exchange never interleaves with DDP's gradient all-reduce): for every move
+``(pack, src, dst)`` of the plan, ``src`` sends a 2-integer header (spec and payload sizes),
+then the spec, then the payload; ``dst`` posts the matching receives. Point-to-point tags are
+derived from the pack index, so messages between the same two ranks never mix. Every wait has a
+deadline: a peer that died or stopped sending turns into :class:`ExchangeError` on this rank
+within ``timeout_s``, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ExchangeError", "decode_pack", "encode_pack", "exchange_packs"]
+
+_DTYPES = {
+    str(dt): dt
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
+
+
+_ALIGN = 16  # bytes: the largest element size (complex128)
+
+
+class ExchangeError(RuntimeError):
+    """A pack exchange failed or timed out (a peer died, raised, or never sent)."""
+
+
+def encode_pack(pack: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(spec, payload)``: two CPU ``uint8`` tensors that :func:`decode_pack` turns back into
+    ``pack`` (tensors contiguous, on the CPU, same dtypes and shapes).
+
+    Raises:
+        TypeError: for a value that is not a tensor, a plain value, or a dict/list/tuple of them
+            (naming where in the pack it is), or a dict with a non-string key.
+    """
+    chunks: list[torch.Tensor] = []
+    offset = 0
+
+    def walk(obj: Any, where: str) -> Any:
+        nonlocal offset
+        if isinstance(obj, torch.Tensor):
+            if str(obj.dtype) not in _DTYPES:
+                raise TypeError(f"encode_pack: {where} has unsupported dtype {obj.dtype}")
+            flat = obj.detach().to("cpu").contiguous().reshape(-1)
+            raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+            pad = -offset % _ALIGN  # decode views the bytes as the dtype: keep it aligned
+            if pad:
+                chunks.append(torch.zeros(pad, dtype=torch.uint8))
+                offset += pad
+            chunks.append(raw)
+            node = {"T": str(obj.dtype), "s": list(obj.shape), "o": offset, "n": raw.numel()}
+            offset += raw.numel()
+            return node
+        if obj is None or isinstance(obj, bool | int | float | str):
+            return {"v": obj}
+        if isinstance(obj, Mapping):
+            bad = [k for k in obj if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"encode_pack: {where} has a non-string key {bad[0]!r}")
+            return {"d": {k: walk(v, f"{where}[{k!r}]") for k, v in obj.items()}}
+        if isinstance(obj, list | tuple):
+            items = [walk(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+            return {"t" if isinstance(obj, tuple) else "l": items}
+        raise TypeError(
+            f"encode_pack: {where} is a {type(obj).__name__}; a pack holds tensors, plain values"
+            " and dicts/lists/tuples of them"
+        )
+
+    spec = walk(pack, "pack")
+    spec_bytes = torch.frombuffer(bytearray(json.dumps(spec).encode()), dtype=torch.uint8)
+    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    return spec_bytes, payload
+
+
+def decode_pack(spec: torch.Tensor, payload: torch.Tensor) -> Any:
+    """The pack encoded by :func:`encode_pack` (its tensors are views of ``payload``)."""
+    tree = json.loads(bytes(spec.numpy().tobytes()).decode())
+
+    def build(node: dict[str, Any]) -> Any:
+        if "T" in node:
+            dtype = _DTYPES[node["T"]]
+            raw = payload[node["o"] : node["o"] + node["n"]]
+            flat = raw.view(dtype) if node["n"] else torch.empty(0, dtype=dtype)
+            return flat.reshape(node["s"])
+        if "v" in node:
+            return node["v"]
+        if "d" in node:
+            return {k: build(v) for k, v in node["d"].items()}
+        if "t" in node:
+            return tuple(build(v) for v in node["t"])
+        return [build(v) for v in node["l"]]
+
+    return build(tree)
+
+
+def exchange_packs(
+    packs: Mapping[int, Any],
+    moves: Sequence[tuple[int, int, int]],
+    *,
+    rank: int,
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float = 300.0,
+) -> dict[int, Any]:
+    """Sends this rank's outgoing packs and receives its incoming ones.
+
+    Args:
+        packs: this rank's packs that move out, by pack index (others may be present).
+        moves: every move of the plan, ``(pack, from_rank, to_rank)``, identical on all ranks.
+        rank: this rank's rank *in* ``group``.
+        group: the process group (default: the world).
+        timeout_s: deadline for the whole exchange.
+
+    Returns:
+        The received packs, by pack index.
+
+    Raises:
+        ExchangeError: when a peer fails, dies or does not send within ``timeout_s``; names the
+            packs and peers still pending.
+    """
+    deadline = time.monotonic() + timeout_s
+    outgoing = [(p, dst) for p, src, dst in moves if src == rank and dst != rank]
+    incoming = [(p, src) for p, src, dst in moves if dst == rank and src != rank]
+    encoded = {p: encode_pack(packs[p]) for p, _ in outgoing}
+
+    # 1) headers: sizes of each pack's spec and payload
+    works: list[tuple[Any, str]] = []
+    sent_headers = []
+    for p, dst in outgoing:
+        header = torch.tensor([encoded[p][0].numel(), encoded[p][1].numel()], dtype=torch.int64)
+        sent_headers.append(header)  # keep alive until sent
+        works.append(
+            (dist.isend(header, dst, group=group, tag=3 * p), f"header of pack {p} to {dst}")
+        )
+    headers = {p: torch.zeros(2, dtype=torch.int64) for p, _ in incoming}
+    for p, src in incoming:
+        works.append(
+            (dist.irecv(headers[p], src, group=group, tag=3 * p), f"header of pack {p} from {src}")
+        )
+    _wait_all(works, deadline, timeout_s)
+
+    # 2) specs and payloads
+    works = []
+    for p, dst in outgoing:
+        spec, payload = encoded[p]
+        works.append((dist.isend(spec, dst, group=group, tag=3 * p + 1), f"pack {p} to {dst}"))
+        if payload.numel():
+            works.append(
+                (dist.isend(payload, dst, group=group, tag=3 * p + 2), f"pack {p} to {dst}")
+            )
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for p, src in incoming:
+        n_spec, n_payload = (int(x) for x in headers[p])
+        spec = torch.empty(n_spec, dtype=torch.uint8)
+        payload = torch.empty(n_payload, dtype=torch.uint8)
+        buffers[p] = (spec, payload)
+        works.append((dist.irecv(spec, src, group=group, tag=3 * p + 1), f"pack {p} from {src}"))
+        if n_payload:
+            works.append(
+                (dist.irecv(payload, src, group=group, tag=3 * p + 2), f"pack {p} from {src}")
+            )
+    _wait_all(works, deadline, timeout_s)
+    del sent_headers
+    return {p: decode_pack(*buffers[p]) for p, _ in incoming}
+
+
+def _wait_all(works: list[tuple[Any, str]], deadline: float, timeout_s: float) -> None:
+    for i, (work, _) in enumerate(works):
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0 or not work.wait(timedelta(seconds=left)):
+                raise TimeoutError("deadline passed")
+        except Exception as err:  # a dead peer: a gloo connection error; a silent one: timeout
+            pending = ", ".join(w for _, w in works[i : i + 4])
+            more = f" and {len(works) - i - 4} more" if len(works) - i > 4 else ""
+            raise ExchangeError(
+                f"pack exchange failed within exchange_timeout_s={timeout_s:g}: waiting for"
+                f" {pending}{more} ({type(err).__name__}: {err})"
+            ) from err
