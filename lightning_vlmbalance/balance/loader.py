@@ -1,0 +1,299 @@
+"""``RebalancingLoader``: yields each global batch's packs in the planned (rank, micro-step) order.
+
+Wraps this rank's loader of packed batches (e.g. a ``PackedDataLoader``; every rank yields the
+same number of batches). Per global batch of ``micro_steps`` batches it:
+
+1. reads the batches' cost features from ``meta`` (a few integers per pack, no device sync) and
+   all-gathers them on ``group`` (a dedicated process group);
+2. plans with :func:`~lightning_vlmbalance.balance.planner.plan_rebalance` (every rank computes
+   the same plan from the same integers);
+3. exchanges only the packs that move
+   (:func:`~lightning_vlmbalance.balance.exchange.exchange_packs`);
+4. yields the batches rank ``r`` computes, micro-step by micro-step, each with
+   ``global_loss_tokens`` set to the loss tokens of the whole global batch (all ranks), so a loss
+   ``sum / global_loss_tokens`` gives the same gradients whatever the placement.
+
+Modes: ``"sync"`` does 1-3 when the global batch is needed; ``"overlap"`` does them in a
+background thread one global batch ahead, so the exchange hides behind compute; ``"off"`` yields
+the batches unchanged but still sets ``global_loss_tokens`` (same math as the other modes). The
+thread is joined when the iteration ends, is closed, or fails; a failure in it is raised in the
+consumer as :class:`~lightning_vlmbalance.balance.exchange.ExchangeError` (or the original error),
+never a hang: every wait has the ``exchange_timeout_s`` deadline.
+
+The last global batch of an epoch may be shorter (``len % micro_steps`` batches on every rank,
+known to all ranks without a collective): it is rebalanced over its own micro-steps, matching
+Lightning's optimizer step at the end of an epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs
+from lightning_vlmbalance.balance.planner import OBJECTIVES, plan_rebalance
+
+__all__ = ["MODES", "RebalancingLoader", "batch_features"]
+
+log = logging.getLogger(__name__)
+
+MODES: tuple[str, ...] = ("overlap", "sync", "off")
+# per-pack integers gathered: the cost-model features, then the loss tokens
+_FIELDS = ("total_tokens", "image_tokens", "images", "image_sq_tokens", "doc_sq_tokens")
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def batch_features(batch: Any) -> list[int]:
+    """The integers the planner needs from one packed batch: cost features and loss tokens.
+
+    Raises:
+        ValueError: if the batch is not a ``PackedBatch``-like dict with ``meta`` holding
+            ``total_tokens``, ``image_tokens``, ``images``, ``doc_lens`` and ``image_sizes``, and
+            a ``loss_tokens`` field; names what is missing.
+    """
+    if not isinstance(batch, dict) or "meta" not in batch or "loss_tokens" not in batch:
+        have = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ValueError(
+            "rebalancing needs packed batches (a dict with 'meta' and 'loss_tokens', as"
+            f" PackCollator builds them); got {have}"
+        )
+    meta = batch["meta"]
+    missing = [
+        k
+        for k in ("total_tokens", "image_tokens", "images", "doc_lens", "image_sizes")
+        if k not in meta
+    ]
+    if missing:
+        raise ValueError(
+            f"rebalancing needs batch['meta'][{missing[0]!r}] (missing: {missing}); build"
+            " batches with PackCollator"
+        )
+    return [
+        int(meta["total_tokens"]),
+        int(meta["image_tokens"]),
+        int(meta["images"]),
+        int(sum(int(n) * int(n) for n in meta["image_sizes"])),
+        int(sum(int(n) * int(n) for n in meta["doc_lens"])),
+        int(batch["loss_tokens"]),
+    ]
+
+
+class RebalancingLoader:
+    """Yields the packs of each global batch in planned order (see the module docstring).
+
+    Args:
+        loader: this rank's iterable of packed batches, with ``len``.
+        micro_steps: micro-batches per rank per global batch (``accumulate_grad_batches``).
+        world_size: ranks in ``group``; ``rank``: this rank in it.
+        group: process group for the feature gather and the exchange (``None``: the world).
+        cost_model: pack cost model (default :class:`CostModel`).
+        objective: ``"microstep"``, ``"step"`` or ``"both"``.
+        tolerance: planner tolerance.
+        mode: ``"overlap"``, ``"sync"`` or ``"off"``.
+        exchange_timeout_s: deadline of every wait for a peer or for the background thread.
+
+    Raises:
+        ValueError: for a bad setting (naming it).
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        *,
+        micro_steps: int,
+        world_size: int,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        cost_model: CostModel | None = None,
+        objective: str = "microstep",
+        tolerance: float = 0.0,
+        mode: str = "overlap",
+        exchange_timeout_s: float = 300.0,
+    ) -> None:
+        if micro_steps < 1:
+            raise ValueError(f"`RebalancingLoader(micro_steps={micro_steps!r})` must be >= 1")
+        if mode not in MODES:
+            raise ValueError(f"`RebalancingLoader(mode={mode!r})`: expected one of {MODES}")
+        if objective not in OBJECTIVES:
+            raise ValueError(
+                f"`RebalancingLoader(objective={objective!r})`: expected one of {OBJECTIVES}"
+            )
+        if not exchange_timeout_s > 0:
+            raise ValueError(
+                f"`RebalancingLoader(exchange_timeout_s={exchange_timeout_s!r})` must be > 0"
+            )
+        self.loader = loader
+        self.micro_steps = micro_steps
+        self.world_size = world_size
+        self.rank = rank
+        self.group = group
+        self.cost_model = cost_model or CostModel()
+        self.objective = objective
+        self.tolerance = tolerance
+        self.mode = mode
+        self.exchange_timeout_s = exchange_timeout_s
+        self.stats: list[dict[str, float]] = []  # one entry per global batch yielded
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    # Lightning: the inner loader's state is the state (resume at global-batch boundaries)
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:
+        # sampler, batch_size, ... of the wrapped loader (Lightning inspects a few)
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.mode == "overlap" and self.world_size > 1:
+            return self._iter_overlapped()
+        return self._iter_inline()
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def _global_batches(self) -> Iterator[list[Any]]:
+        """The inner batches, ``micro_steps`` at a time (the last group may be shorter)."""
+        group: list[Any] = []
+        for batch in self.loader:
+            group.append(batch)
+            if len(group) == self.micro_steps:
+                yield group
+                group = []
+        if group:
+            yield group
+
+    def _iter_inline(self) -> Iterator[Any]:
+        for batches in self._global_batches():
+            start = time.perf_counter()
+            ready, stats = self._rebalance(batches)
+            stats["exposed_exchange_ms"] = (time.perf_counter() - start) * 1e3
+            self.stats.append(stats)
+            yield from ready
+
+    def _iter_overlapped(self) -> Iterator[Any]:
+        ready_q: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._stop.clear()
+        thread = threading.Thread(
+            target=self._produce, args=(ready_q,), name="vlmbalance-exchange", daemon=True
+        )
+        self._thread = thread
+        thread.start()
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    item = ready_q.get(timeout=self.exchange_timeout_s)
+                except queue.Empty:
+                    raise ExchangeError(
+                        f"no rebalanced global batch within exchange_timeout_s="
+                        f"{self.exchange_timeout_s:g} (rank {self.rank})"
+                    ) from None
+                waited_ms = (time.perf_counter() - start) * 1e3
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                ready, stats = item
+                stats["exposed_exchange_ms"] = waited_ms
+                self.stats.append(stats)
+                yield from ready
+        finally:
+            self._shutdown(ready_q)
+
+    def _produce(self, ready_q: queue.Queue[Any]) -> None:
+        try:
+            for batches in self._global_batches():
+                item = self._rebalance(batches)
+                if not self._put(ready_q, item):
+                    return
+            self._put(ready_q, _END)
+        except BaseException as err:  # handed to the consumer, which raises it
+            self._put(ready_q, _Failure(err))
+
+    def _put(self, ready_q: queue.Queue[Any], item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                ready_q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _shutdown(self, ready_q: queue.Queue[Any]) -> None:
+        self._stop.set()
+        while True:  # unblock a producer waiting to put
+            try:
+                ready_q.get_nowait()
+            except queue.Empty:
+                break
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=self.exchange_timeout_s + 5.0)
+            if thread.is_alive():  # pragma: no cover - only if a collective ignores its deadline
+                log.warning("the vlmbalance exchange thread did not stop; it is a daemon thread")
+
+    # -- one global batch -------------------------------------------------------------------
+
+    def _rebalance(self, batches: list[Any]) -> tuple[list[Any], dict[str, float]]:
+        G, W, r = len(batches), self.world_size, self.rank
+        local = torch.tensor([batch_features(b) for b in batches], dtype=torch.int64)  # (G, F)
+        if W > 1:
+            gathered = [torch.empty_like(local) for _ in range(W)]
+            dist.all_gather(gathered, local, group=self.group)
+            features = torch.stack(gathered).reshape(W * G, -1).numpy()
+        else:
+            features = local.numpy()
+        global_tokens = int(features[:, -1].sum())
+        stats: dict[str, float] = {"moved_packs": 0.0, "exchange_ms": 0.0}
+        if self.mode == "off" or W == 1:
+            order = list(batches)
+            plan = None
+        else:
+            cost = self.cost_model.pack_cost_us(
+                {name: features[:, i] for i, name in enumerate(_FIELDS)}
+            )
+            origin = np.repeat(np.arange(W, dtype=np.int64), G)
+            plan = plan_rebalance(
+                cost, origin, W, G, objective=self.objective, tolerance=self.tolerance
+            )
+            mine = {r * G + m: b for m, b in enumerate(batches)}
+            start = time.perf_counter()
+            received = exchange_packs(
+                mine,
+                [tuple(int(x) for x in mv) for mv in plan.moves],
+                rank=r,
+                group=self.group,
+                timeout_s=self.exchange_timeout_s,
+            )
+            stats["exchange_ms"] = (time.perf_counter() - start) * 1e3
+            stats["moved_packs"] = float(plan.moved_packs)
+            stats["planned_waste_frac"] = plan.waste_after
+            stats["baseline_waste_frac"] = plan.waste_before
+            order = [
+                mine[p] if p in mine else received[p] for p in plan.assignment[r, :, 0].tolist()
+            ]
+        for b in order:
+            b["global_loss_tokens"] = global_tokens
+        return order, stats
