@@ -6,8 +6,9 @@ Public API (everything else is private):
   :class:`PackCollator`, :func:`pack_greedy` (see ``docs/packing.md``).
 - Packed attention: :func:`packed_attention` (see ``docs/packed_attention.md``).
 - Straggler timing: :class:`StragglerMonitor` (see ``docs/straggler_monitor.md``).
-- Rebalancing core: :class:`CostModel`, :func:`plan_rebalance`, :class:`RebalancePlan` (see
-  ``docs/rebalancing.md``).
+- Rebalancing: ``Trainer(strategy="vlmbalance")`` / :class:`VLMBalanceStrategy` (importing
+  the package registers the names); the core: :class:`CostModel`, :func:`plan_rebalance`,
+  :class:`RebalancePlan` (see ``docs/rebalancing.md``).
 - Synthetic data for examples and tests: :func:`synthetic_length_table`,
   :class:`SyntheticVLMDataset`, :func:`read_length_csv`.
 """
@@ -28,6 +29,7 @@ from lightning_vlmbalance.packing import (
     pack_greedy,
     packing_efficiency,
 )
+from lightning_vlmbalance.strategy import VLMBalanceStrategy
 from lightning_vlmbalance.synthetic import (
     LengthTable,
     SyntheticVLMDataset,
@@ -50,6 +52,7 @@ __all__ = [
     "RebalancePlan",
     "StragglerMonitor",
     "SyntheticVLMDataset",
+    "VLMBalanceStrategy",
     "build_epoch_plan",
     "flash_attn_available",
     "pack_best_fit_decreasing",
