@@ -146,6 +146,13 @@ class VLMBalanceStrategy(DDPStrategy):
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         if isinstance(dataloader, RebalancingLoader):  # wrapped by the user: use its inner one
+            if dataloader.micro_steps != trainer.accumulate_grad_batches:
+                raise ValueError(
+                    f"the training loader is a RebalancingLoader(micro_steps="
+                    f"{dataloader.micro_steps}) but `Trainer(accumulate_grad_batches="
+                    f"{trainer.accumulate_grad_batches})`: a global batch must be one optimizer"
+                    " step; make them equal (or return the plain loader)"
+                )
             dataloader = dataloader.loader
         self.rebalancing_loader = RebalancingLoader(
             dataloader,  # type: ignore[arg-type]

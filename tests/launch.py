@@ -14,10 +14,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Runs ``python -m module *args`` from the repository root; a non-zero exit fails the test."""
+def run_module_raw(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Runs ``python -m module *args`` from the repository root and returns the process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,
         env=env,
@@ -25,5 +25,10 @@ def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.Comple
         text=True,
         timeout=timeout,
     )
+
+
+def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Runs ``python -m module *args`` from the repository root; a non-zero exit fails the test."""
+    proc = run_module_raw(module, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc

@@ -149,13 +149,20 @@ class RebalancingLoader:
         self.stats: list[dict[str, float]] = []  # one entry per global batch yielded
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._pass_start: int | None = None  # inner position where this pass started
+        self._yielded = 0
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
-    # Lightning: the inner loader's state is the state (resume at global-batch boundaries)
+    # Lightning checkpoints: the inner loader's state, at the position *yielded* so far (the
+    # inner loader runs ahead by up to two global batches in "overlap" mode). Checkpoints taken
+    # at optimizer-step boundaries resume on a global-batch boundary, with the same packs.
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()  # type: ignore[attr-defined]
+        state = self.loader.state_dict()  # type: ignore[attr-defined]
+        if self._pass_start is not None and "consumed" in state:
+            state = {**state, "consumed": self._pass_start + self._yielded}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]
@@ -167,9 +174,20 @@ class RebalancingLoader:
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.mode == "overlap" and self.world_size > 1:
-            return self._iter_overlapped()
-        return self._iter_inline()
+        inner = (
+            self._iter_overlapped()
+            if self.mode == "overlap" and self.world_size > 1
+            else (self._iter_inline())
+        )
+        return self._count(inner)
+
+    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
+        self._pass_start, self._yielded = None, 0
+        for batch in batches:
+            if self._pass_start is None:  # the inner loader resolves its start at first next()
+                self._pass_start = int(getattr(self.loader, "start", 0))
+            self._yielded += 1
+            yield batch
 
     # -- iteration --------------------------------------------------------------------------
 

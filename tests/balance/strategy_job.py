@@ -18,6 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_vlmbalance as vb
 from lightning_vlmbalance.balance.loader import RebalancingLoader
@@ -90,6 +91,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=600)
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resume")
+    p.add_argument("--data-micro-steps", type=int, default=None, help="for --global-tokens")
     args = p.parse_args()
     torch.set_num_threads(1)
     _count_broadcasts()
@@ -102,7 +106,7 @@ def main() -> None:
     if args.strategy == "vlmbalance":
         strategy = vb.VLMBalanceStrategy(mode=args.mode, exchange_timeout_s=60)
     data = (
-        GlobalTokenData(table, seq_len, 0, micro_steps=args.accumulate)
+        GlobalTokenData(table, seq_len, 0, micro_steps=args.data_micro_steps or args.accumulate)
         if args.global_tokens
         else Data(table, seq_len, 0)
     )
@@ -115,7 +119,17 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
         precision="64-true",
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(args.checkpoint_every),
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=Path(args.out) / "ckpt",
+                every_n_train_steps=args.checkpoint_every,
+                save_top_k=-1,
+                filename="{step}",
+            )
+        ]
+        if args.checkpoint_every
+        else [],
         enable_progress_bar=False,
         enable_model_summary=False,
     )
@@ -129,7 +143,7 @@ def main() -> None:
         max_positions=seq_len,
         moe_experts=2,
     )
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
 
 
 if __name__ == "__main__":
