@@ -180,18 +180,29 @@ class ToyVLM(L.LightningModule):
         x_TD = x_TD.index_put((batch["image_positions"],), self.projector(image_ID))
         return self.llm(x_TD, batch["cu_seqlens"], batch["max_seqlen"])  # (T, V)
 
-    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+    def loss_sum(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Summed token cross-entropy of the pack (float32 or wider)."""
         logits_TV = self(batch)
         labels_T = batch["labels"].reshape(-1)
+        logits_TV = logits_TV[:-1]
+        if logits_TV.dtype in (torch.float16, torch.bfloat16):
+            logits_TV = logits_TV.float()
         # HF convention: position t predicts labels[t + 1]; the collator masks document starts
-        loss_sum = F.cross_entropy(
-            logits_TV[:-1].float(), labels_T[1:], ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        return loss_sum / max(int(batch["global_loss_tokens"]), 1)
+        return F.cross_entropy(logits_TV, labels_T[1:], ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        """``sum / global_loss_tokens``: every token of the global batch weighs the same, wherever
+        it is computed (with DDP averaging over ranks and Lightning over micro-batches, the
+        gradient is that of the token-mean loss over the global batch, divided by ranks x
+        micro-batches; AdamW does not see the constant, SGD sees it as the learning rate)."""
+        return self.loss_sum(batch) / max(int(batch["global_loss_tokens"]), 1)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=1)
+        loss_sum = self.loss_sum(batch)
+        loss = loss_sum / max(int(batch["global_loss_tokens"]), 1)
+        # shown: the pack's mean token loss (comparable whatever the normalisation)
+        mean = loss_sum.detach() / max(int(batch["loss_tokens"]), 1)
+        self.log("train/loss", mean, prog_bar=True, batch_size=1)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -176,10 +176,10 @@ class VLMBalanceStrategy(DDPStrategy):
 
     def _log_balance_stats(self) -> None:
         loader = self.rebalancing_loader
-        if loader is None or len(loader.stats) <= self._logged_batches:
+        if loader is None or loader.global_batches <= self._logged_batches or not loader.stats:
             return
         stats = loader.stats[-1]
-        self._logged_batches = len(loader.stats)
+        self._logged_batches = loader.global_batches
         module = self.lightning_module
         values = {
             "balance/moved_packs": stats.get("moved_packs", 0.0),

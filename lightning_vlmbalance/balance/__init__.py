@@ -1,4 +1,4 @@
-"""Cross-rank rebalancing: cost model and planner (pure numpy cores)."""
+"""Cross-rank rebalancing: cost model and planner (numpy), pack exchange and loader (torch)."""
 
 from lightning_vlmbalance.balance.cost import (
     FEATURES,
@@ -9,6 +9,8 @@ from lightning_vlmbalance.balance.cost import (
     nnls,
     read_monitor_jsonl,
 )
+from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs
+from lightning_vlmbalance.balance.loader import RebalancingLoader
 from lightning_vlmbalance.balance.planner import (
     OBJECTIVES,
     RebalancePlan,
@@ -21,8 +23,11 @@ __all__ = [
     "OBJECTIVES",
     "PHASES",
     "CostModel",
+    "ExchangeError",
     "FitReport",
     "RebalancePlan",
+    "RebalancingLoader",
+    "exchange_packs",
     "features_from_packs",
     "naive_moved_packs",
     "nnls",

@@ -31,6 +31,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -50,6 +51,7 @@ MODES: tuple[str, ...] = ("overlap", "sync", "off")
 # per-pack integers gathered: the cost-model features, then the loss tokens
 _FIELDS = ("total_tokens", "image_tokens", "images", "image_sq_tokens", "doc_sq_tokens")
 _END = object()
+_STATS_KEPT = 1000
 
 
 class _Failure:
@@ -146,9 +148,13 @@ class RebalancingLoader:
         self.tolerance = tolerance
         self.mode = mode
         self.exchange_timeout_s = exchange_timeout_s
-        self.stats: list[dict[str, float]] = []  # one entry per global batch yielded
+        # the last global batches' statistics (bounded: a long run must not grow), and counters
+        self.stats: deque[dict[str, float]] = deque(maxlen=_STATS_KEPT)
+        self.global_batches = 0
+        self.moved_packs_total = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._permits = threading.Semaphore(0)
         self._pass_start: int | None = None  # inner position where this pass started
         self._yielded = 0
 
@@ -207,12 +213,13 @@ class RebalancingLoader:
             start = time.perf_counter()
             ready, stats = self._rebalance(batches)
             stats["exposed_exchange_ms"] = (time.perf_counter() - start) * 1e3
-            self.stats.append(stats)
+            self._record(stats)
             yield from ready
 
     def _iter_overlapped(self) -> Iterator[Any]:
         ready_q: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._stop.clear()
+        self._permits = threading.Semaphore(1)  # the producer may prepare one global batch
         thread = threading.Thread(
             target=self._produce, args=(ready_q,), name="vlmbalance-exchange", daemon=True
         )
@@ -229,26 +236,47 @@ class RebalancingLoader:
                         f"{self.exchange_timeout_s:g} (rank {self.rank})"
                     ) from None
                 waited_ms = (time.perf_counter() - start) * 1e3
+                self._permits.release()  # taken: the producer may prepare the next one
                 if item is _END:
                     return
                 if isinstance(item, _Failure):
                     raise item.error
                 ready, stats = item
                 stats["exposed_exchange_ms"] = waited_ms
-                self.stats.append(stats)
+                self._record(stats)
                 yield from ready
         finally:
             self._shutdown(ready_q)
 
     def _produce(self, ready_q: queue.Queue[Any]) -> None:
+        """Prepares global batch ``k + 1`` only once the consumer has taken batch ``k``.
+
+        So when training stops early (``max_steps``), every rank has taken the same number of
+        global batches and its producer is in, or done with, the same next one: no rank is left
+        in a collective its peers never enter.
+        """
         try:
-            for batches in self._global_batches():
-                item = self._rebalance(batches)
-                if not self._put(ready_q, item):
+            batches_iter = self._global_batches()
+            while self._acquire_permit():
+                batches = next(batches_iter, None)
+                if batches is None:
+                    self._put(ready_q, _END)
                     return
-            self._put(ready_q, _END)
+                if not self._put(ready_q, self._rebalance(batches)):
+                    return
         except BaseException as err:  # handed to the consumer, which raises it
             self._put(ready_q, _Failure(err))
+
+    def _acquire_permit(self) -> bool:
+        while not self._stop.is_set():
+            if self._permits.acquire(timeout=0.1):
+                return True
+        return False
+
+    def _record(self, stats: dict[str, float]) -> None:
+        self.stats.append(stats)
+        self.global_batches += 1
+        self.moved_packs_total += int(stats.get("moved_packs", 0))
 
     def _put(self, ready_q: queue.Queue[Any], item: Any) -> bool:
         while not self._stop.is_set():
@@ -279,7 +307,13 @@ class RebalancingLoader:
         local = torch.tensor([batch_features(b) for b in batches], dtype=torch.int64)  # (G, F)
         if W > 1:
             gathered = [torch.empty_like(local) for _ in range(W)]
-            dist.all_gather(gathered, local, group=self.group)
+            try:
+                dist.all_gather(gathered, local, group=self.group)
+            except RuntimeError as err:  # a dead or stuck peer (the group has the deadline)
+                raise ExchangeError(
+                    f"rank {r}: gathering the pack features of a global batch failed (a peer"
+                    f" died or stopped?): {err}"
+                ) from err
             features = torch.stack(gathered).reshape(W * G, -1).numpy()
         else:
             features = local.numpy()
@@ -309,6 +343,8 @@ class RebalancingLoader:
             stats["moved_packs"] = float(plan.moved_packs)
             stats["planned_waste_frac"] = plan.waste_after
             stats["baseline_waste_frac"] = plan.waste_before
+            stats["planned_value"] = float(plan.value)  # predicted step cost (cost units)
+            stats["baseline_value"] = float(plan.baseline_value)
             order = [
                 mine[p] if p in mine else received[p] for p in plan.assignment[r, :, 0].tolist()
             ]

@@ -61,7 +61,7 @@ class Job(RecordingVLM):
         super().on_train_end()
         strategy = self.trainer.strategy
         loader = getattr(strategy, "rebalancing_loader", None)
-        stats = loader.stats if loader is not None else []
+        stats = list(loader.stats) if loader is not None else []
         path = Path(self.out) / f"stats{self.global_rank}.json"
         path.write_text(
             json.dumps(

@@ -85,3 +85,41 @@ def test_bad_settings_are_named() -> None:
         RebalancingLoader([], micro_steps=2, world_size=1, rank=0, mode="fast")
     with pytest.raises(ValueError, match="micro_steps=0"):
         RebalancingLoader([], micro_steps=0, world_size=1, rank=0)
+
+
+def _early_close_job(rank: int, world: int) -> dict:
+    import threading
+    import time
+
+    table = vb.synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
+    sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128)
+    inner = vb.PackedDataLoader(vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4), sampler)
+    group = torch.distributed.new_group(backend="gloo")
+    loader = RebalancingLoader(
+        inner,
+        micro_steps=4,
+        world_size=world,
+        rank=rank,
+        group=group,
+        mode="overlap",
+        exchange_timeout_s=30,
+    )
+    start = time.monotonic()
+    for i, _ in enumerate(loader):  # stop mid global batch, as max_steps may
+        if i == 5:
+            break
+    closed_in = time.monotonic() - start
+    alive = [t.name for t in threading.enumerate() if t.name == "vlmbalance-exchange"]
+    ids = [s for b in loader for s in b["meta"]["sample_ids"]]  # a new full pass still works
+    return {"closed_in": closed_in, "alive": alive, "ids": ids}
+
+
+def test_closing_early_joins_the_thread_without_a_stray_collective() -> None:
+    """Both ranks stop after the same micro-batch: no rank waits in a collective its peer
+    skipped, the thread is joined at once, and the next pass is complete."""
+    out = run_ranks(_early_close_job, 2, timeout=180)
+    assert all(status == "ok" for status, _ in out.values()), out
+    for _, res in out.values():
+        assert res["alive"] == []
+        assert res["closed_in"] < 20  # far from the 30 s exchange deadline
+    assert sorted(out[0][1]["ids"] + out[1][1]["ids"]) == list(range(400))

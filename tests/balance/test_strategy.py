@@ -31,63 +31,88 @@ def _max_rel_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-300)) for k in a)
 
 
-def test_same_parameters_as_ddp_in_sync_and_overlap_modes(tmp_path) -> None:
-    """Float64, GA 4, 20 optimizer steps: rebalancing changes where packs run, not the math."""
-    ddp = _fit(tmp_path / "ddp", "--strategy", "ddp", "--global-tokens")
-    for mode in ("sync", "overlap"):
-        run = _fit(tmp_path / mode, "--strategy", "vlmbalance", "--mode", mode)
-        assert _max_rel_diff(run["params"], ddp["params"]) < 1e-10, mode
-        moved = sum(s["moved_packs"] for s in run[0]["stats"])
-        assert moved > 0, f"{mode}: nothing was rebalanced, the test would prove nothing"
-        # the same packs were trained on, in other places
-        packs = lambda res: sorted(p for r in (0, 1) for _, p, _ in res[r]["seen"])  # noqa: E731
-        assert packs(run) == packs(ddp)
-        assert [s["moved_packs"] for s in run[0]["stats"]] == [
-            s["moved_packs"] for s in run[1]["stats"]
-        ]
-        # one SIGTERM broadcast per optimizer step, not per micro-batch
-        assert run[0]["broadcasts"] == run[0]["optimizer_steps"] == 20
-        assert set(run[0]["logged"]) == {
-            "balance/moved_packs",
-            "balance/planned_waste_frac",
-            "balance/exchange_ms",
-            "balance/exposed_exchange_ms",
-        }
-    assert ddp[0]["broadcasts"] == 4 * 20  # plain DDP: every micro-batch
+EPOCH = ("--epochs", "1", "--max-steps", "-1")  # 84 packs per rank: 21 steps of 4
 
 
-def test_every_sample_once_per_epoch_with_rebalancing(tmp_path) -> None:
-    run = _fit(tmp_path, "--strategy", "vlmbalance", "--epochs", "1", "--max-steps", "-1")
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> dict:
+    """One epoch each of plain DDP (same loss normalisation) and vlmbalance sync / overlap."""
+    root = tmp_path_factory.mktemp("fits")
+    every8 = ("--checkpoint-every", "8")
+    return {
+        "root": root,
+        "ddp": _fit(root / "ddp", "--strategy", "ddp", "--global-tokens", *EPOCH, *every8),
+        "sync": _fit(root / "sync", "--strategy", "vlmbalance", "--mode", "sync", *EPOCH),
+        "overlap": _fit(
+            root / "overlap", "--strategy", "vlmbalance", "--mode", "overlap", *EPOCH, *every8
+        ),
+    }
+
+
+def _packs(res: dict) -> list[int]:
+    return sorted(p for r in (0, 1) for _, p, _ in res[r]["seen"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_same_parameters_as_ddp(fits, mode) -> None:
+    """Float64, GA 4, 21 optimizer steps: rebalancing changes where packs run, not the math."""
+    run, ddp = fits[mode], fits["ddp"]
+    assert run[0]["optimizer_steps"] == ddp[0]["optimizer_steps"] == 21
+    assert _max_rel_diff(run["params"], ddp["params"]) < 1e-10
+    moved = sum(s["moved_packs"] for s in run[0]["stats"])
+    assert moved > 0, f"{mode}: nothing was rebalanced, the test would prove nothing"
+    assert _packs(run) == _packs(ddp)  # the same packs, in other places
+    assert [s["moved_packs"] for s in run[0]["stats"]] == [
+        s["moved_packs"] for s in run[1]["stats"]
+    ]
+    # one SIGTERM broadcast per optimizer step, not per micro-batch
+    assert run[0]["broadcasts"] == 21
+    assert set(run[0]["logged"]) == {
+        "balance/moved_packs",
+        "balance/planned_waste_frac",
+        "balance/exchange_ms",
+        "balance/exposed_exchange_ms",
+    }
+
+
+def test_plain_ddp_broadcasts_every_micro_batch(fits) -> None:
+    assert fits["ddp"][0]["broadcasts"] == 84
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_every_sample_once_per_epoch_with_rebalancing(fits, mode) -> None:
+    run = fits[mode]
     ids = sorted(s for r in (0, 1) for _, _, sample_ids in run[r]["seen"] for s in sample_ids)
     assert ids == list(range(600))
-    assert sum(s["moved_packs"] for s in run[0]["stats"]) > 0
 
 
-def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path) -> None:
+def test_resume_mid_epoch_reproduces_the_uninterrupted_run(fits, tmp_path) -> None:
     """Kill after step 8, resume from its checkpoint: the same packs in the same places, and the
     same parameters as plain DDP resumed the same way.
 
     (A resumed float64 fit differs from the uninterrupted one by ~6e-8 relative under plain
     ``"ddp"`` too, with identical batches: a property of Lightning's resume, not of rebalancing.)
     """
-    full = _fit(tmp_path / "full", "--strategy", "vlmbalance", "--checkpoint-every", "8")
-    ckpt = tmp_path / "full" / "ckpt" / "step=8.ckpt"
-    assert ckpt.exists(), sorted((tmp_path / "full" / "ckpt").iterdir())
-    resumed = _fit(tmp_path / "resumed", "--strategy", "vlmbalance", "--resume", str(ckpt))
-    for r in (0, 1):  # 8 optimizer steps x 4 micro-batches were done before the checkpoint
-        assert resumed[r]["seen"] == full[r]["seen"][8 * 4 :]
-    ddp_full = _fit(
-        tmp_path / "ddp", "--strategy", "ddp", "--global-tokens", "--checkpoint-every", "8"
+    root = fits["root"]
+    resumed = _fit(
+        tmp_path / "overlap",
+        "--strategy",
+        "vlmbalance",
+        *EPOCH,
+        "--resume",
+        str(root / "overlap" / "ckpt" / "step=8.ckpt"),
     )
+    for r in (0, 1):  # 8 optimizer steps x 4 micro-batches were done before the checkpoint
+        assert resumed[r]["seen"] == fits["overlap"][r]["seen"][8 * 4 :]
     ddp_resumed = _fit(
-        tmp_path / "ddp_resumed",
+        tmp_path / "ddp",
         "--strategy",
         "ddp",
         "--global-tokens",
+        *EPOCH,
         "--resume",
-        str(tmp_path / "ddp" / "ckpt" / "step=8.ckpt"),
+        str(root / "ddp" / "ckpt" / "step=8.ckpt"),
     )
-    assert _max_rel_diff(full["params"], ddp_full["params"]) < 1e-10
     assert _max_rel_diff(resumed["params"], ddp_resumed["params"]) < 1e-10
 
 
