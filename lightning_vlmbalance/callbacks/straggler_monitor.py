@@ -418,13 +418,22 @@ def _all_gather_rows(row: np.ndarray, device: torch.device) -> np.ndarray:
 
 
 def custom_scalars_layout() -> dict[str, dict[str, list]]:
-    """TensorBoard layout: one multi-line chart per phase (a line per rank), plus the summary."""
+    """TensorBoard layout: one multi-line chart per phase (a line per rank), the summary, and
+    the ``balance/*`` metrics of the ``"vlmbalance"`` strategy next to them (empty without it)."""
     per_rank = {f"{s}_ms": ["Multiline", [rf"straggler/{s}_ms/rank_\d+"]] for s in _SERIES}
     summary = {
         k: ["Multiline", [rf"straggler/{k}$"]]
         for k in ("waste_frac", "worst_rank", "max_over_median")
     }
-    return {"straggler per rank": per_rank, "straggler summary": summary}
+    balance = {
+        k: ["Multiline", [rf"balance/{k}$"]]
+        for k in ("moved_packs", "planned_waste_frac", "exchange_ms", "exposed_exchange_ms")
+    }
+    return {
+        "straggler per rank": per_rank,
+        "straggler summary": summary,
+        "rebalancing": balance,
+    }
 
 
 def pack_features(meta: dict[str, Any]) -> dict[str, Any]:

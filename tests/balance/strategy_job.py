@@ -43,6 +43,25 @@ class GlobalTokenData(Data):
 BROADCASTS = [0]
 
 
+def _fail_exchange(rank: int, at: int) -> None:
+    """On ``rank``, the n-th exchange raises (as a bug or a lost device would)."""
+    import os
+
+    import lightning_vlmbalance.balance.loader as loader_mod
+
+    if int(os.environ.get("LOCAL_RANK", "0")) != rank:
+        return
+    original, calls = loader_mod.exchange_packs, [0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == at:
+            raise RuntimeError(f"rank {rank} failed on purpose in its exchange")
+        return original(*args, **kwargs)
+
+    loader_mod.exchange_packs = failing
+
+
 def _count_broadcasts() -> None:
     """Counts Lightning's SIGTERM broadcasts (a class-level wrap, under any instance gate)."""
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -94,6 +113,9 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume")
     p.add_argument("--data-micro-steps", type=int, default=None, help="for --global-tokens")
+    p.add_argument("--fail-rank", type=int, default=None, help="this rank's exchange raises")
+    p.add_argument("--fail-at", type=int, default=2, help="...at its n-th global batch")
+    p.add_argument("--exchange-timeout-s", type=float, default=60.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     _count_broadcasts()
@@ -104,7 +126,9 @@ def main() -> None:
     )
     strategy: Any = args.strategy
     if args.strategy == "vlmbalance":
-        strategy = vb.VLMBalanceStrategy(mode=args.mode, exchange_timeout_s=60)
+        strategy = vb.VLMBalanceStrategy(mode=args.mode, exchange_timeout_s=args.exchange_timeout_s)
+    if args.fail_rank is not None:
+        _fail_exchange(args.fail_rank, args.fail_at)
     data = (
         GlobalTokenData(table, seq_len, 0, micro_steps=args.data_micro_steps or args.accumulate)
         if args.global_tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import lightning as L
@@ -114,6 +115,32 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(fits, tmp_path) -> No
         str(root / "ddp" / "ckpt" / "step=8.ckpt"),
     )
     assert _max_rel_diff(resumed["params"], ddp_resumed["params"]) < 1e-10
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_a_rank_failing_in_its_exchange_stops_every_rank(tmp_path, mode) -> None:
+    """Rank 1 raises inside its exchange: rank 0 raises too, within the deadline, no hang."""
+    start = time.monotonic()
+    proc = run_module_raw(
+        "tests.balance.strategy_job",
+        "--out",
+        str(tmp_path),
+        "--strategy",
+        "vlmbalance",
+        "--mode",
+        mode,
+        "--fail-rank",
+        "1",
+        "--fail-at",
+        "3",
+        "--exchange-timeout-s",
+        "10",
+        timeout=240,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "failed on purpose" in proc.stderr or "ExchangeError" in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 120, elapsed  # start-up (~15 s) + the 10 s deadline, with slack
 
 
 def test_world_size_one_is_a_no_op(tmp_path) -> None:
