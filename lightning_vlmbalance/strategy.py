@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
@@ -145,6 +146,12 @@ class VLMBalanceStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise ValueError(
+                "`VLMBalanceStrategy` needs a fixed `Trainer(accumulate_grad_batches=...)`: a"
+                " global batch is one optimizer step, which a GradientAccumulationScheduler"
+                " changes during training"
+            )
         if isinstance(dataloader, RebalancingLoader):  # wrapped by the user: use its inner one
             if dataloader.micro_steps != trainer.accumulate_grad_batches:
                 raise ValueError(
@@ -154,6 +161,9 @@ class VLMBalanceStrategy(DDPStrategy):
                     " step; make them equal (or return the plain loader)"
                 )
             dataloader = dataloader.loader
+        if self.rebalancing_loader is not None:  # a reload: stop the old loader's pass
+            self.rebalancing_loader.close()
+        self._logged_batches = 0
         self.rebalancing_loader = RebalancingLoader(
             dataloader,  # type: ignore[arg-type]
             micro_steps=trainer.accumulate_grad_batches,
@@ -212,6 +222,10 @@ class VLMBalanceStrategy(DDPStrategy):
             loop.__dict__.get("_broadcast_sigterm_tensor"), "__vlmbalance__", False
         ):
             del loop._broadcast_sigterm_tensor
+        if self.rebalancing_loader is not None:
+            # Lightning tears the strategy down before the loop closes the loader's iterator:
+            # stop the pass (and its collectives) before the exchange group goes away
+            self.rebalancing_loader.close()
         self.rebalancing_loader = None
         if self._exchange_group is not None and dist.is_initialized():
             try:

@@ -27,6 +27,7 @@ Lightning's optimizer step at the end of an epoch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -52,11 +53,73 @@ MODES: tuple[str, ...] = ("overlap", "sync", "off")
 _FIELDS = ("total_tokens", "image_tokens", "images", "image_sq_tokens", "doc_sq_tokens")
 _END = object()
 _STATS_KEPT = 1000
+EXCHANGE_THREAD = "vlmbalance-exchange"
 
 
 class _Failure:
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+class _Pass:
+    """One overlapped pass: its producer thread, one-slot queue, permits and stop flag.
+
+    The producer prepares global batch ``k + 1`` only once the consumer has taken batch ``k``
+    (a permit per batch taken). So when training stops early (``max_steps``), every rank has
+    taken the same number of global batches and its producer is in, or done with, the same next
+    one: no rank is left in a collective its peers never enter.
+    """
+
+    def __init__(self, owner: RebalancingLoader, batches: Iterator[list[Any]]) -> None:
+        self.ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self.permits = threading.Semaphore(1)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=self._produce, args=(owner, batches), name=EXCHANGE_THREAD, daemon=True
+        )
+        self.thread.start()
+
+    def _produce(self, owner: RebalancingLoader, batches: Iterator[list[Any]]) -> None:
+        try:
+            while self._permit():
+                group = next(batches, None)
+                if group is None:
+                    self._put(_END)
+                    return
+                if not self._put(owner._rebalance(group)):
+                    return
+        except BaseException as err:  # handed to the consumer, which raises it
+            self._put(_Failure(err))
+
+    def _permit(self) -> bool:
+        while True:
+            if self.permits.acquire(blocking=False):  # a permit given before a stop counts
+                return True
+            if self.stop.is_set():
+                return False
+            if self.permits.acquire(timeout=0.1):
+                return True
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.stop.set()
+        while True:  # unblock a producer waiting to put
+            try:
+                self.ready.get_nowait()
+            except queue.Empty:
+                break
+        if self.thread.is_alive():
+            self.thread.join(timeout=timeout_s + 5.0)
+        if self.thread.is_alive():  # pragma: no cover - only if a collective ignores its deadline
+            log.warning("the vlmbalance exchange thread did not stop; it is a daemon thread")
 
 
 def batch_features(batch: Any) -> list[int]:
@@ -152,10 +215,9 @@ class RebalancingLoader:
         self.stats: deque[dict[str, float]] = deque(maxlen=_STATS_KEPT)
         self.global_batches = 0
         self.moved_packs_total = 0
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._permits = threading.Semaphore(0)
+        self._pass: _Pass | None = None  # the overlapped pass in progress
         self._pass_start: int | None = None  # inner position where this pass started
+        self._pass_epoch: Any = None
         self._yielded = 0
 
     def __len__(self) -> int:
@@ -165,13 +227,20 @@ class RebalancingLoader:
     # inner loader runs ahead by up to two global batches in "overlap" mode). Checkpoints taken
     # at optimizer-step boundaries resume on a global-batch boundary, with the same packs.
     def state_dict(self) -> dict[str, Any]:
-        state = self.loader.state_dict()  # type: ignore[attr-defined]
-        if self._pass_start is not None and "consumed" in state:
+        if not hasattr(self.loader, "state_dict"):
+            return {}  # the inner loader cannot resume: neither can we
+        state = self.loader.state_dict()
+        if (
+            self._pass_start is not None
+            and "consumed" in state
+            and state.get("epoch") == self._pass_epoch
+        ):
             state = {**state, "consumed": self._pass_start + self._yielded}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]
+        if state_dict and hasattr(self.loader, "load_state_dict"):
+            self.loader.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
         # sampler, batch_size, ... of the wrapped loader (Lightning inspects a few)
@@ -180,31 +249,39 @@ class RebalancingLoader:
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
-        inner = (
-            self._iter_overlapped()
-            if self.mode == "overlap" and self.world_size > 1
-            else (self._iter_inline())
-        )
-        return self._count(inner)
+        overlapped = self.mode == "overlap" and self.world_size > 1
+        return self._count(self._iter_overlapped() if overlapped else self._iter_inline())
+
+    def close(self) -> None:
+        """Stops an overlapped pass in progress and joins its thread (the global batch being
+        prepared is finished first: every rank is preparing the same one)."""
+        current, self._pass = self._pass, None
+        if current is not None:
+            current.shutdown(self.exchange_timeout_s)
 
     def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
-        self._pass_start, self._yielded = None, 0
+        self._pass_start, self._pass_epoch, self._yielded = None, None, 0
         for batch in batches:
             if self._pass_start is None:  # the inner loader resolves its start at first next()
                 self._pass_start = int(getattr(self.loader, "start", 0))
+                self._pass_epoch = getattr(getattr(self.loader, "sampler", None), "epoch", None)
             self._yielded += 1
             yield batch
 
     # -- iteration --------------------------------------------------------------------------
 
     def _global_batches(self) -> Iterator[list[Any]]:
-        """The inner batches, ``micro_steps`` at a time (the last group may be shorter)."""
+        """The inner batches, ``micro_steps`` at a time, aligned to the epoch: after a resume at
+        position ``p`` the first group is ``G - p % G`` batches; the last may be shorter."""
         group: list[Any] = []
-        for batch in self.loader:
+        size = self.micro_steps
+        for i, batch in enumerate(self.loader):
+            if i == 0:
+                size = self.micro_steps - int(getattr(self.loader, "start", 0)) % self.micro_steps
             group.append(batch)
-            if len(group) == self.micro_steps:
+            if len(group) == size:
                 yield group
-                group = []
+                group, size = [], self.micro_steps
         if group:
             yield group
 
@@ -217,26 +294,33 @@ class RebalancingLoader:
             yield from ready
 
     def _iter_overlapped(self) -> Iterator[Any]:
-        ready_q: queue.Queue[Any] = queue.Queue(maxsize=1)
-        self._stop.clear()
-        self._permits = threading.Semaphore(1)  # the producer may prepare one global batch
-        thread = threading.Thread(
-            target=self._produce, args=(ready_q,), name="vlmbalance-exchange", daemon=True
-        )
-        self._thread = thread
-        thread.start()
+        if self.group is None:
+            raise ValueError(
+                "`RebalancingLoader(mode='overlap')` needs its own process `group` when"
+                " world_size > 1: its thread's collectives must not share the world group with"
+                " the training loop"
+            )
+        batches_iter = self._global_batches()
+        # the first global batch is read here, in the caller's thread: the inner loader's own
+        # first-pass collectives (e.g. PackedDataLoader's plan check) stay on this thread
+        first = next(batches_iter, None)
+        if first is None:
+            return
+        current = _Pass(self, itertools.chain([first], batches_iter))
+        self.close()
+        self._pass = current
         try:
             while True:
                 start = time.perf_counter()
                 try:
-                    item = ready_q.get(timeout=self.exchange_timeout_s)
+                    item = current.ready.get(timeout=self.exchange_timeout_s)
                 except queue.Empty:
                     raise ExchangeError(
                         f"no rebalanced global batch within exchange_timeout_s="
                         f"{self.exchange_timeout_s:g} (rank {self.rank})"
                     ) from None
                 waited_ms = (time.perf_counter() - start) * 1e3
-                self._permits.release()  # taken: the producer may prepare the next one
+                current.permits.release()  # taken: the producer may prepare the next one
                 if item is _END:
                     return
                 if isinstance(item, _Failure):
@@ -246,59 +330,14 @@ class RebalancingLoader:
                 self._record(stats)
                 yield from ready
         finally:
-            self._shutdown(ready_q)
-
-    def _produce(self, ready_q: queue.Queue[Any]) -> None:
-        """Prepares global batch ``k + 1`` only once the consumer has taken batch ``k``.
-
-        So when training stops early (``max_steps``), every rank has taken the same number of
-        global batches and its producer is in, or done with, the same next one: no rank is left
-        in a collective its peers never enter.
-        """
-        try:
-            batches_iter = self._global_batches()
-            while self._acquire_permit():
-                batches = next(batches_iter, None)
-                if batches is None:
-                    self._put(ready_q, _END)
-                    return
-                if not self._put(ready_q, self._rebalance(batches)):
-                    return
-        except BaseException as err:  # handed to the consumer, which raises it
-            self._put(ready_q, _Failure(err))
-
-    def _acquire_permit(self) -> bool:
-        while not self._stop.is_set():
-            if self._permits.acquire(timeout=0.1):
-                return True
-        return False
+            current.shutdown(self.exchange_timeout_s)
+            if self._pass is current:
+                self._pass = None
 
     def _record(self, stats: dict[str, float]) -> None:
         self.stats.append(stats)
         self.global_batches += 1
         self.moved_packs_total += int(stats.get("moved_packs", 0))
-
-    def _put(self, ready_q: queue.Queue[Any], item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                ready_q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _shutdown(self, ready_q: queue.Queue[Any]) -> None:
-        self._stop.set()
-        while True:  # unblock a producer waiting to put
-            try:
-                ready_q.get_nowait()
-            except queue.Empty:
-                break
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=self.exchange_timeout_s + 5.0)
-            if thread.is_alive():  # pragma: no cover - only if a collective ignores its deadline
-                log.warning("the vlmbalance exchange thread did not stop; it is a daemon thread")
 
     # -- one global batch -------------------------------------------------------------------
 

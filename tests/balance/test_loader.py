@@ -37,17 +37,36 @@ def _loader_job(rank: int, world: int, mode: str, micro_steps: int) -> dict:
             )
         )
     threads = [t.name for t in __import__("threading").enumerate()]
-    return {"own": own, "seen": seen, "len": len(loader), "stats": loader.stats, "threads": threads}
+    second = [
+        (
+            b["meta"]["pack_id"],
+            list(b["meta"]["sample_ids"]),
+            b["loss_tokens"],
+            b["global_loss_tokens"],
+        )
+        for b in loader
+    ]
+    return {
+        "own": own,
+        "seen": seen,
+        "len": len(loader),
+        "stats": list(loader.stats),
+        "threads": threads,
+        "second_pass": second,
+    }
 
 
-@pytest.mark.parametrize("mode", ["sync", "overlap", "off"])
-def test_every_pack_once_with_the_global_token_count(mode) -> None:
-    G = 4
+@pytest.mark.parametrize(("mode", "G"), [("sync", 4), ("overlap", 4), ("off", 4), ("overlap", 7)])
+def test_every_pack_once_with_the_global_token_count(mode, G) -> None:
+    """G = 7 leaves a short last global batch (the pack count is not a multiple of it)."""
     out = run_ranks(_loader_job, 2, mode, G, timeout=180)
     assert all(status == "ok" for status, _ in out.values()), out
     res = {r: payload for r, (_, payload) in out.items()}
     n = res[0]["len"]
     assert n == res[1]["len"] == len(res[0]["seen"]) == len(res[1]["seen"])
+    if G == 7:
+        assert n % G, "the short last global batch is not exercised"
+    assert res[0]["second_pass"] == res[0]["seen"]  # a second pass: the same packs, same places
     # every sample exactly once over both ranks
     samples = sorted(s for r in res for _, ids, _, _ in res[r]["seen"] for s in ids)
     assert samples == list(range(400))
@@ -123,3 +142,45 @@ def test_closing_early_joins_the_thread_without_a_stray_collective() -> None:
         assert res["alive"] == []
         assert res["closed_in"] < 20  # far from the 30 s exchange deadline
     assert sorted(out[0][1]["ids"] + out[1][1]["ids"]) == list(range(400))
+
+
+def _failing_job(rank: int, world: int) -> str:
+    import time
+
+    import lightning_vlmbalance.balance.loader as loader_mod
+
+    if rank == 1:
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("rank 1 failed on purpose in its exchange")
+
+        loader_mod.exchange_packs = failing
+    table = vb.synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
+    sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128)
+    inner = vb.PackedDataLoader(vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4), sampler)
+    loader = RebalancingLoader(
+        inner,
+        micro_steps=4,
+        world_size=world,
+        rank=rank,
+        group=torch.distributed.new_group(backend="gloo"),
+        mode="overlap",
+        exchange_timeout_s=5,
+    )
+    start = time.monotonic()
+    try:
+        for _ in loader:
+            pass
+    except Exception as err:
+        if rank == 1:
+            raise
+        return f"{time.monotonic() - start:.1f}s {type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_rank_failing_in_its_exchange_is_an_error_on_the_others() -> None:
+    out = run_ranks(_failing_job, 2, timeout=120)
+    assert out[1] == ("error", "RuntimeError: rank 1 failed on purpose in its exchange"), out
+    status, message = out[0]
+    assert status == "ok" and message.split("s ", 1)[1].startswith("ExchangeError"), out
+    assert float(message.split("s ", 1)[0]) < 5 + 5, message  # the deadline, with slack
