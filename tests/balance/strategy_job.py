@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_vlmbalance as vb
 from lightning_vlmbalance.balance.loader import RebalancingLoader
-from tests.packing.lightning_job import Data, RecordingVLM
+from tests.packing.lightning_job import SMALL_VLM, Data, RecordingVLM
 
 
 class GlobalTokenData(Data):
@@ -157,16 +157,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = Job(
-        args.out,
-        vocab_size=64,
-        patch_dim=8,
-        dim=16,
-        heads=2,
-        llm_layers=1,
-        max_positions=seq_len,
-        moe_experts=2,
-    )
+    model = Job(args.out, **SMALL_VLM, max_positions=seq_len)
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
 
 

@@ -21,6 +21,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 
+# the example VLM at the size the multi-process tests train (with 8-dim patches, 64 tokens)
+SMALL_VLM = {
+    "vocab_size": 64,
+    "patch_dim": 8,
+    "dim": 16,
+    "heads": 2,
+    "llm_layers": 1,
+    "moe_experts": 2,
+}
+
 
 class RecordingVLM(ToyVLM):
     def __init__(self, out: str, **kw: Any) -> None:
@@ -113,16 +123,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = RecordingVLM(
-        args.out,
-        vocab_size=64,
-        patch_dim=8,
-        dim=16,
-        heads=2,
-        llm_layers=1,
-        max_positions=seq_len,
-        moe_experts=2,
-    )
+    model = RecordingVLM(args.out, **SMALL_VLM, max_positions=seq_len)
     trainer.fit(model, datamodule=Data(table, seq_len, args.num_workers), ckpt_path=args.resume)
 
 
