@@ -117,10 +117,15 @@ class RebalancePlan:
 
     def rank_of(self) -> np.ndarray:
         """``(N,)`` the rank that computes each pack under the plan."""
-        R, G, K = self.assignment.shape
-        ranks = np.empty(R * G * K, dtype=np.int64)
-        ranks[self.assignment.reshape(-1)] = np.repeat(np.arange(R), G * K)
-        return ranks
+        return _rank_of(self.assignment)
+
+
+def _rank_of(assignment_RGK: np.ndarray) -> np.ndarray:
+    """``(N,)`` the rank of each pack in an ``(R, G, K)`` assignment."""
+    R = assignment_RGK.shape[0]
+    rank_of = np.empty(assignment_RGK.size, dtype=np.int64)
+    rank_of[assignment_RGK.reshape(-1)] = np.repeat(np.arange(R), assignment_RGK.size // R)
+    return rank_of
 
 
 def _waste(mean: float, value: float) -> float:
@@ -188,14 +193,13 @@ def plan_rebalance(
     else:
         opt_RGK = _phase1_microstep_multi(cost_N, R, G, K)
         optimal = _value(cost_N[opt_RGK].sum(axis=2), "microstep")
-        assignment = _phase2_microstep_multi(cost_N, origin_N, opt_RGK, optimal, tolerance)
+        assignment = _phase2_microstep_multi(origin_N, opt_RGK)
         order_N = _sorted_order(cost_N)
         lower_bound = float(max(int(cost_N[order_N[:: R * K]].sum()), mean_rank_cost * 1))
 
     cost_RG = cost_N[assignment].sum(axis=2)
     primary = "step" if objective == "step" else "microstep"
-    rank_of = np.empty_like(origin_N)
-    rank_of[assignment.reshape(-1)] = np.repeat(np.arange(R, dtype=np.int64), G * K)
+    rank_of = _rank_of(assignment)
     moved = np.flatnonzero(rank_of != origin_N)
     moves_M3 = np.stack([moved, origin_N[moved], rank_of[moved]], axis=1).astype(np.int64)
     return RebalancePlan(
@@ -600,9 +604,7 @@ def _phase1_microstep_multi(cost_N: np.ndarray, R: int, G: int, K: int) -> np.nd
     return out
 
 
-def _phase2_microstep_multi(
-    cost_N: np.ndarray, origin_N: np.ndarray, opt_RGK: np.ndarray, optimal: int, tolerance: float
-) -> np.ndarray:
+def _phase2_microstep_multi(origin_N: np.ndarray, opt_RGK: np.ndarray) -> np.ndarray:
     """Per micro-step: relabel phase 1's micro-batches to the ranks holding most of their packs.
 
     Inside a micro-step the ``R`` micro-batches of phase 1 may go to any ranks; each goes to the
@@ -614,7 +616,6 @@ def _phase2_microstep_multi(
     for m in range(G):
         batches_RK = opt_RGK[:, m, :]
         out[_match_groups(batches_RK, origin_N, np.arange(R)), m, :] = batches_RK
-    del cost_N, optimal, tolerance
     return out
 
 
