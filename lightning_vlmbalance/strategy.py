@@ -105,6 +105,7 @@ class VLMBalanceStrategy(DDPStrategy):
         self.sigterm_every_micro_batch = sigterm_every_micro_batch
         self.rebalancing_loader: RebalancingLoader | None = None
         self._exchange_group: dist.ProcessGroup | None = None
+        self._payload_group: dist.ProcessGroup | None = None
         self._gated_loop: Any = None
         self._logged_batches = 0
 
@@ -133,6 +134,11 @@ class VLMBalanceStrategy(DDPStrategy):
             self._exchange_group = dist.new_group(
                 backend="gloo", timeout=timedelta(seconds=self.exchange_timeout_s)
             )
+            if self.root_device.type == "cuda" and dist.get_backend() == "nccl":
+                # payloads travel GPU to GPU on an NCCL group of their own, on a side stream
+                self._payload_group = dist.new_group(
+                    backend="nccl", timeout=timedelta(seconds=self.exchange_timeout_s)
+                )
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -175,6 +181,8 @@ class VLMBalanceStrategy(DDPStrategy):
             tolerance=self.tolerance,
             mode=self.mode,
             exchange_timeout_s=self.exchange_timeout_s,
+            payload_group=self._payload_group,
+            device=self.root_device if self._payload_group is not None else None,
         )
         return self.rebalancing_loader
 
@@ -227,12 +235,13 @@ class VLMBalanceStrategy(DDPStrategy):
             # stop the pass (and its collectives) before the exchange group goes away
             self.rebalancing_loader.close()
         self.rebalancing_loader = None
-        if self._exchange_group is not None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(self._exchange_group)
-            except (RuntimeError, ValueError) as err:  # pragma: no cover - best effort
-                log.debug("could not destroy the exchange group: %s", err)
-        self._exchange_group = None
+        for group in (self._payload_group, self._exchange_group):
+            if group is not None and dist.is_initialized():
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError) as err:  # pragma: no cover - best effort
+                    log.debug("could not destroy an exchange group: %s", err)
+        self._exchange_group = self._payload_group = None
         super().teardown()
 
 

@@ -13,10 +13,19 @@ then the spec, then the payload; ``dst`` posts the matching receives. Point-to-p
 derived from the pack index, so messages between the same two ranks never mix. Every wait has a
 deadline: a peer that died or stopped sending turns into :class:`ExchangeError` on this rank
 within ``timeout_s``, never a hang.
+
+On GPUs the headers and specs (a few hundred bytes) still travel on the CPU ``group`` (gloo),
+while the payloads travel as device tensors on ``payload_group`` (NCCL): the sender copies the
+payload host-to-device and every send and receive is posted on a side CUDA ``stream``; once a
+received pack is complete, a CUDA event is recorded for it on that stream. The compute stream
+then waits on that one event before it uses that pack (:func:`wait_pack_ready`), never on the
+whole exchange. NCCL ignores tags; both ends post a pair's messages in the order of ``moves``,
+so they match.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -26,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExchangeError", "decode_pack", "encode_pack", "exchange_packs"]
+__all__ = ["ExchangeError", "decode_pack", "encode_pack", "exchange_packs", "wait_pack_ready"]
 
 _DTYPES = {
     str(dt): dt
@@ -109,7 +118,7 @@ def decode_pack(spec: torch.Tensor, payload: torch.Tensor) -> Any:
         if "T" in node:
             dtype = _DTYPES[node["T"]]
             raw = payload[node["o"] : node["o"] + node["n"]]
-            flat = raw.view(dtype) if node["n"] else torch.empty(0, dtype=dtype)
+            flat = raw.view(dtype) if node["n"] else payload.new_empty(0, dtype=dtype)
             return flat.reshape(node["s"])
         if "v" in node:
             return node["v"]
@@ -129,6 +138,10 @@ def exchange_packs(
     rank: int,
     group: dist.ProcessGroup | None = None,
     timeout_s: float = 300.0,
+    payload_group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    stream: Any = None,
+    ready_events: dict[int, Any] | None = None,
 ) -> dict[int, Any]:
     """Sends this rank's outgoing packs and receives its incoming ones.
 
@@ -138,20 +151,29 @@ def exchange_packs(
         rank: this rank's rank *in* ``group``.
         group: the process group (default: the world).
         timeout_s: deadline for the whole exchange.
+        payload_group: the group for the payloads (default: ``group``); on CUDA an NCCL group.
+        device: where payloads travel and received packs land (default: the CPU).
+        stream: on CUDA, the side stream the exchange runs on (default: a new one).
+        ready_events: on CUDA, filled with one event per received pack, recorded on ``stream``
+            when that pack is complete (see :func:`wait_pack_ready`).
 
     Returns:
-        The received packs, by pack index.
+        The received packs, by pack index (their tensors on ``device``).
 
     Raises:
         ExchangeError: when a peer fails, dies or does not send within ``timeout_s``; names the
             packs and peers still pending.
     """
     deadline = time.monotonic() + timeout_s
+    device = torch.device("cpu") if device is None else torch.device(device)
+    on_cuda = device.type == "cuda"
+    if payload_group is None:
+        payload_group = group
     outgoing = [(p, dst) for p, src, dst in moves if src == rank and dst != rank]
     incoming = [(p, src) for p, src, dst in moves if dst == rank and src != rank]
     encoded = {p: encode_pack(packs[p]) for p, _ in outgoing}
 
-    # 1) headers: sizes of each pack's spec and payload
+    # 1) headers: sizes of each pack's spec and payload (CPU group)
     works: list[tuple[Any, str]] = []
     sent_headers = []
     for p, dst in outgoing:
@@ -167,36 +189,99 @@ def exchange_packs(
         )
     _wait_all(works, deadline, timeout_s)
 
-    # 2) specs and payloads
-    works = []
-    for p, dst in outgoing:
-        spec, payload = encoded[p]
-        works.append((dist.isend(spec, dst, group=group, tag=3 * p + 1), f"pack {p} to {dst}"))
-        if payload.numel():
+    # 2) specs (CPU group) and payloads (payload group, on ``device``)
+    if on_cuda and stream is None:
+        stream = torch.cuda.Stream(device)
+    with _on_stream(device, stream):
+        works, payload_works = [], []
+        for p, dst in outgoing:
+            spec, payload = encoded[p]
+            works.append((dist.isend(spec, dst, group=group, tag=3 * p + 1), f"pack {p} to {dst}"))
+            if payload.numel():
+                if on_cuda:  # keeps the (pinned) host copy alive until the copy ran
+                    payload = payload.pin_memory().to(device, non_blocking=True)
+                    encoded[p] = (spec, payload)
+                payload_works.append(
+                    (
+                        dist.isend(payload, dst, group=payload_group, tag=3 * p + 2),
+                        f"pack {p} to {dst}",
+                    )
+                )
+        buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        pending: dict[int, list[Any]] = {}
+        for p, src in incoming:
+            n_spec, n_payload = (int(x) for x in headers[p])
+            spec = torch.empty(n_spec, dtype=torch.uint8)
+            payload = torch.empty(n_payload, dtype=torch.uint8, device=device)
+            buffers[p] = (spec, payload)
             works.append(
-                (dist.isend(payload, dst, group=group, tag=3 * p + 2), f"pack {p} to {dst}")
+                (dist.irecv(spec, src, group=group, tag=3 * p + 1), f"pack {p} from {src}")
             )
-    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for p, src in incoming:
-        n_spec, n_payload = (int(x) for x in headers[p])
-        spec = torch.empty(n_spec, dtype=torch.uint8)
-        payload = torch.empty(n_payload, dtype=torch.uint8)
-        buffers[p] = (spec, payload)
-        works.append((dist.irecv(spec, src, group=group, tag=3 * p + 1), f"pack {p} from {src}"))
-        if n_payload:
-            works.append(
-                (dist.irecv(payload, src, group=group, tag=3 * p + 2), f"pack {p} from {src}")
-            )
-    _wait_all(works, deadline, timeout_s)
-    del sent_headers
-    return {p: decode_pack(*buffers[p]) for p, _ in incoming}
+            pending[p] = []
+            if n_payload:
+                work = dist.irecv(payload, src, group=payload_group, tag=3 * p + 2)
+                pending[p].append(work)
+                payload_works.append((work, f"pack {p} from {src}"))
+        _wait_all(works, deadline, timeout_s)
+        _wait_all(payload_works, deadline, timeout_s, poll=on_cuda)
+        received = {}
+        for p, _ in incoming:
+            if on_cuda:
+                for work in pending[p]:
+                    work.wait()  # the side stream waits for this pack's transfer
+                if ready_events is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    ready_events[p] = event
+            received[p] = decode_pack(*buffers[p])
+    del sent_headers, encoded
+    return received
 
 
-def _wait_all(works: list[tuple[Any, str]], deadline: float, timeout_s: float) -> None:
+def wait_pack_ready(pack: Any, event: Any) -> None:
+    """Makes the current CUDA stream wait for ``event`` (a received pack's, from
+    :func:`exchange_packs`) and tells the caching allocator that the pack's tensors, allocated
+    on the exchange's side stream, are used on the current stream."""
+    current = torch.cuda.current_stream()
+    current.wait_event(event)
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.is_cuda:
+                obj.record_stream(current)
+        elif isinstance(obj, Mapping):
+            for v in obj.values():
+                visit(v)
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                visit(v)
+
+    visit(pack)
+
+
+def _on_stream(device: torch.device, stream: Any) -> Any:
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(device))  # the thread's current device
+    stack.enter_context(torch.cuda.stream(stream))
+    return stack
+
+
+def _wait_all(
+    works: list[tuple[Any, str]], deadline: float, timeout_s: float, poll: bool = False
+) -> None:
+    """Waits for every work by ``deadline``. ``poll``: NCCL works, whose ``wait`` only makes the
+    current stream wait; the host polls ``is_completed`` instead, so the deadline holds."""
     for i, (work, _) in enumerate(works):
         left = deadline - time.monotonic()
         try:
-            if left <= 0 or not work.wait(timedelta(seconds=left)):
+            if poll:
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("deadline passed")
+                    time.sleep(2e-4)
+            elif left <= 0 or not work.wait(timedelta(seconds=left)):
                 raise TimeoutError("deadline passed")
         except Exception as err:  # a dead peer: a gloo connection error; a silent one: timeout
             pending = ", ".join(w for _, w in works[i : i + 4])

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vlmbalance.balance.cost import CostModel
-from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs
+from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, wait_pack_ready
 from lightning_vlmbalance.balance.planner import OBJECTIVES, plan_rebalance
 
 __all__ = ["MODES", "RebalancingLoader", "batch_features"]
@@ -170,6 +170,10 @@ class RebalancingLoader:
         tolerance: planner tolerance.
         mode: ``"overlap"``, ``"sync"`` or ``"off"``.
         exchange_timeout_s: deadline of every wait for a peer or for the background thread.
+        payload_group: group for the pack payloads (default ``group``); on GPUs an NCCL group.
+        device: where received payloads land (default the CPU); with a CUDA device the exchange
+            runs on a side stream, and when a received pack is handed out the consumer's
+            current stream waits for that pack's event only.
 
     Raises:
         ValueError: for a bad setting (naming it).
@@ -188,6 +192,8 @@ class RebalancingLoader:
         tolerance: float = 0.0,
         mode: str = "overlap",
         exchange_timeout_s: float = 300.0,
+        payload_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if micro_steps < 1:
             raise ValueError(f"`RebalancingLoader(micro_steps={micro_steps!r})` must be >= 1")
@@ -211,6 +217,10 @@ class RebalancingLoader:
         self.tolerance = tolerance
         self.mode = mode
         self.exchange_timeout_s = exchange_timeout_s
+        self.payload_group = payload_group
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._stream: Any = None  # the side CUDA stream of the exchange (created on first use)
+        self._ready_events: dict[int, Any] = {}  # id(batch) -> CUDA event, until it is used
         # the last global batches' statistics (bounded: a long run must not grow), and counters
         self.stats: deque[dict[str, float]] = deque(maxlen=_STATS_KEPT)
         self.global_batches = 0
@@ -258,6 +268,7 @@ class RebalancingLoader:
         current, self._pass = self._pass, None
         if current is not None:
             current.shutdown(self.exchange_timeout_s)
+        self._ready_events.clear()
 
     def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
         self._pass_start, self._pass_epoch, self._yielded = None, None, 0
@@ -266,6 +277,9 @@ class RebalancingLoader:
                 self._pass_start = int(getattr(self.loader, "start", 0))
                 self._pass_epoch = getattr(getattr(self.loader, "sampler", None), "epoch", None)
             self._yielded += 1
+            event = self._ready_events.pop(id(batch), None)
+            if event is not None:  # received on the GPU: the consumer's stream waits for it
+                wait_pack_ready(batch, event)
             yield batch
 
     # -- iteration --------------------------------------------------------------------------
@@ -370,6 +384,9 @@ class RebalancingLoader:
                 cost, origin, W, G, objective=self.objective, tolerance=self.tolerance
             )
             mine = {r * G + m: b for m, b in enumerate(batches)}
+            events: dict[int, Any] = {}
+            if self.device.type == "cuda" and self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
             start = time.perf_counter()
             received = exchange_packs(
                 mine,
@@ -377,7 +394,13 @@ class RebalancingLoader:
                 rank=r,
                 group=self.group,
                 timeout_s=self.exchange_timeout_s,
+                payload_group=self.payload_group,
+                device=self.device,
+                stream=self._stream,
+                ready_events=events,
             )
+            for p, event in events.items():  # keyed by the batch object the loop will get
+                self._ready_events[id(received[p])] = event
             stats["exchange_ms"] = (time.perf_counter() - start) * 1e3
             stats["moved_packs"] = float(plan.moved_packs)
             stats["planned_waste_frac"] = plan.waste_after

@@ -13,6 +13,7 @@ from lightning_vlmbalance.balance.exchange import (
     decode_pack,
     encode_pack,
     exchange_packs,
+    wait_pack_ready,
 )
 from tests.multiproc import run_ranks
 
@@ -66,15 +67,19 @@ def test_encode_rejects_what_is_not_a_pack() -> None:
 
 def _exchange_job(rank: int, world: int, moves: list) -> list:
     group = torch.distributed.new_group(backend="gloo")
+    payload_group = torch.distributed.new_group(backend="gloo")  # as NCCL is on GPUs
     mine = {p: _pack(p) for p, src, _ in moves if src == rank}
-    got = exchange_packs(mine, moves, rank=rank, group=group, timeout_s=30)
+    got = exchange_packs(
+        mine, moves, rank=rank, group=group, timeout_s=30, payload_group=payload_group
+    )
     for p, pack in got.items():
         _assert_same(pack, _pack(p))
     return sorted(got)
 
 
 def test_packs_arrive_intact_over_gloo() -> None:
-    """Only moved packs travel; each arrives bit-identical at its destination."""
+    """Only moved packs travel; each arrives bit-identical at its destination (specs on one
+    group, payloads on another, as on GPUs)."""
     moves = [(0, 0, 1), (1, 0, 2), (2, 1, 0), (5, 2, 0), (6, 2, 1), (7, 1, 1)]  # 7: stays
     out = run_ranks(_exchange_job, 3, moves)
     assert out == {0: ("ok", [2, 5]), 1: ("ok", [0, 6]), 2: ("ok", [1])}
@@ -103,3 +108,41 @@ def test_a_failing_peer_is_an_error_within_the_timeout(how) -> None:
     seconds = float(message.split("s ", 1)[0])
     assert seconds < 3 + 2, message  # the deadline (plus slack for a busy machine)
     assert "exchange_timeout_s=3" in message and "pack 0 from 1" in message
+
+
+def _cuda_exchange_job(rank: int, world: int, moves: list) -> list:
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = torch.distributed.new_group(backend="gloo")
+    payload_group = torch.distributed.new_group(backend="nccl")
+    mine = {p: _pack(p) for p, src, _ in moves if src == rank}
+    events: dict = {}
+    side = torch.cuda.Stream(device)
+    got = exchange_packs(
+        mine,
+        moves,
+        rank=rank,
+        group=group,
+        timeout_s=60,
+        payload_group=payload_group,
+        device=device,
+        stream=side,
+        ready_events=events,
+    )
+    assert sorted(events) == sorted(got)
+    for p, pack in got.items():
+        wait_pack_ready(pack, events[p])  # the compute stream waits for this pack only
+        assert pack["input_ids"].device == device
+        cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in pack.items()}
+        _assert_same(cpu, _pack(p))
+    return sorted(got)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="the NCCL payload path needs two GPUs",
+)
+def test_packs_arrive_intact_over_nccl_on_a_side_stream() -> None:
+    moves = [(0, 0, 1), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    out = run_ranks(_cuda_exchange_job, 2, moves)
+    assert out == {0: ("ok", [2]), 1: ("ok", [0, 1])}
