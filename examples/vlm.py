@@ -20,6 +20,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_vlmbalance import IGNORE_INDEX, packed_attention
 
@@ -35,6 +36,7 @@ class ToyVLMConfig:
     max_positions: int = 512
     moe_experts: int = 0  # 0: dense feed-forward in the decoder
     moe_topk: int = 2
+    grad_checkpoint: bool = False  # recompute each block in backward (non-reentrant checkpoint)
     lr: float = 3e-3
 
     def __post_init__(self) -> None:
@@ -102,6 +104,15 @@ class Block(nn.Module):
         return x_TD + self.ffn(self.norm2(x_TD))
 
 
+def run_block(
+    block: Block, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, recompute: bool
+) -> torch.Tensor:
+    """``block(x, ...)``, under a non-reentrant activation checkpoint when ``recompute``."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(block, x, cu_seqlens, max_seqlen, use_reentrant=False)
+    return block(x, cu_seqlens, max_seqlen)
+
+
 class VisionEncoder(nn.Module):
     """ViT-style: patch features -> tokens, attention within each image."""
 
@@ -112,13 +123,14 @@ class VisionEncoder(nn.Module):
             Block(cfg.dim, cfg.heads, causal=False) for _ in range(cfg.vision_layers)
         )
         self.norm = nn.LayerNorm(cfg.dim)
+        self.grad_checkpoint = cfg.grad_checkpoint
 
     def forward(
         self, pixels_IP: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
     ) -> torch.Tensor:
         x_ID = self.embed(pixels_IP)
         for block in self.blocks:
-            x_ID = block(x_ID, cu_seqlens, max_seqlen)
+            x_ID = run_block(block, x_ID, cu_seqlens, max_seqlen, self.grad_checkpoint)
         return self.norm(x_ID)
 
 
@@ -143,12 +155,13 @@ class LanguageModel(nn.Module):
         )
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.grad_checkpoint = cfg.grad_checkpoint
 
     def forward(
         self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
     ) -> torch.Tensor:
         for block in self.blocks:
-            x_TD = block(x_TD, cu_seqlens, max_seqlen)
+            x_TD = run_block(block, x_TD, cu_seqlens, max_seqlen, self.grad_checkpoint)
         return self.head(self.norm(x_TD))
 
 

@@ -6,6 +6,8 @@ Public API (everything else is private):
   :class:`PackCollator`, :func:`pack_greedy` (see ``docs/packing.md``).
 - Packed attention: :func:`packed_attention` (see ``docs/packed_attention.md``).
 - Straggler timing: :class:`StragglerMonitor` (see ``docs/straggler_monitor.md``).
+- Activation offload: :class:`ActivationOffload` (callback), :class:`ActivationOffloader`,
+  :func:`offload_activations` (see ``docs/activation_offload.md``).
 - Rebalancing: ``Trainer(strategy="vlmbalance")`` / :class:`VLMBalanceStrategy` (importing
   the package registers the names); the core: :class:`CostModel`, :func:`plan_rebalance`,
   :class:`RebalancePlan` (see ``docs/rebalancing.md``).
@@ -15,7 +17,8 @@ Public API (everything else is private):
 
 from lightning_vlmbalance.attention import flash_attn_available, packed_attention
 from lightning_vlmbalance.balance import CostModel, RebalancePlan, plan_rebalance
-from lightning_vlmbalance.callbacks import StragglerMonitor
+from lightning_vlmbalance.callbacks import ActivationOffload, StragglerMonitor
+from lightning_vlmbalance.offload import ActivationOffloader, offload_activations
 from lightning_vlmbalance.packing import (
     IGNORE_INDEX,
     EpochPlan,
@@ -41,6 +44,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IGNORE_INDEX",
+    "ActivationOffload",
+    "ActivationOffloader",
     "CostModel",
     "EpochPlan",
     "LengthTable",
@@ -55,6 +60,7 @@ __all__ = [
     "VLMBalanceStrategy",
     "build_epoch_plan",
     "flash_attn_available",
+    "offload_activations",
     "pack_best_fit_decreasing",
     "pack_greedy",
     "packed_attention",

@@ -1,5 +1,6 @@
 """Lightning callbacks: thin adapters over the framework-free cores."""
 
+from lightning_vlmbalance.callbacks.activation_offload import ActivationOffload
 from lightning_vlmbalance.callbacks.straggler_monitor import StragglerMonitor
 
-__all__ = ["StragglerMonitor"]
+__all__ = ["ActivationOffload", "StragglerMonitor"]
