@@ -8,6 +8,8 @@ Public API (everything else is private):
 - Straggler timing: :class:`StragglerMonitor` (see ``docs/straggler_monitor.md``).
 - Activation offload: :class:`ActivationOffload` (callback), :class:`ActivationOffloader`,
   :func:`offload_activations` (see ``docs/activation_offload.md``).
+- MoE routing: :class:`CompiledMoERouting` (callback); the core in
+  ``lightning_vlmbalance.moe`` (see ``docs/moe_routing.md``).
 - Rebalancing: ``Trainer(strategy="vlmbalance")`` / :class:`VLMBalanceStrategy` (importing
   the package registers the names); the core: :class:`CostModel`, :func:`plan_rebalance`,
   :class:`RebalancePlan` (see ``docs/rebalancing.md``).
@@ -17,7 +19,7 @@ Public API (everything else is private):
 
 from lightning_vlmbalance.attention import flash_attn_available, packed_attention
 from lightning_vlmbalance.balance import CostModel, RebalancePlan, plan_rebalance
-from lightning_vlmbalance.callbacks import ActivationOffload, StragglerMonitor
+from lightning_vlmbalance.callbacks import ActivationOffload, CompiledMoERouting, StragglerMonitor
 from lightning_vlmbalance.offload import ActivationOffloader, offload_activations
 from lightning_vlmbalance.packing import (
     IGNORE_INDEX,
@@ -46,6 +48,7 @@ __all__ = [
     "IGNORE_INDEX",
     "ActivationOffload",
     "ActivationOffloader",
+    "CompiledMoERouting",
     "CostModel",
     "EpochPlan",
     "LengthTable",

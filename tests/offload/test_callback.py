@@ -10,46 +10,19 @@ import torch
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
+from tests.cpu_fit import Float64VLM, cpu_trainer, packed_loader
 
 _VLM = {"vocab_size": 64, "patch_dim": 8, "dim": 32, "heads": 2, "moe_experts": 2}
 
 
-def _loader() -> vb.PackedDataLoader:
-    table = vb.synthetic_length_table(48, tile_tokens=8, max_text_tokens=64, seed=2)
-    ds = vb.SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
-    sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128, seed=0)
-    return vb.PackedDataLoader(ds, sampler, vb.PackCollator(128, image_feature_shape=(8,)))
-
-
-class Float64VLM(ToyVLM):
-    def training_step(self, batch, batch_idx):
-        batch["pixel_values"] = batch["pixel_values"].double()
-        return super().training_step(batch, batch_idx)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fit(callbacks: list, steps: int = 4, **vlm) -> tuple[ToyVLM, L.Trainer]:
     torch.manual_seed(0)
     model = Float64VLM(**{**_VLM, **vlm}).double()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        accumulate_grad_batches=2,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, _loader())
+    trainer = cpu_trainer(callbacks, steps, accumulate_grad_batches=2)
+    trainer.fit(model, packed_loader())
     return model, trainer
 
 
@@ -94,18 +67,9 @@ class FailingVLM(Float64VLM):
 def test_an_error_in_training_leaves_no_hooks_behind() -> None:
     cb = vb.ActivationOffload(min_bytes=0, test_mode=True)
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        callbacks=[cb],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer([cb], 4)
     with pytest.raises(RuntimeError, match="boom in training_step"):
-        trainer.fit(FailingVLM(**_VLM).double(), _loader())
+        trainer.fit(FailingVLM(**_VLM).double(), packed_loader())
     assert cb.offloader is None
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 

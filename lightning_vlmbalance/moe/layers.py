@@ -1,0 +1,251 @@
+"""Sorted-dispatch MoE forwards, and the patching of existing MoE modules to use them.
+
+Two module layouts are recognised:
+
+- **expert list** (the example VLM's ``MoEFeedForward``): a ``router`` ``nn.Linear``, a ``topk``
+  attribute and ``experts``, an ``nn.ModuleList`` of modules with ``up`` and ``down``
+  ``nn.Linear`` layers (GELU between). The experts' weights are stacked per forward, a copy of
+  E x (2 x H x F) elements, so that the two grouped products see one (E, in, out) tensor; the
+  parameters, and so checkpoints and optimizers, stay as they are.
+- **fused experts** (Hugging Face transformers 5 sparse-MoE blocks such as Mixtral and Qwen3-MoE):
+  an ``experts`` module with 3-D ``gate_up_proj`` (E, 2F, H) and ``down_proj`` (E, H, F) called as
+  ``experts(hidden, top_k_index, top_k_weights)``; the block's own router (with its softmax, top-k
+  and renormalisation) is kept, only the expert dispatch and compute are replaced.
+
+Both forwards are one function shared by every layer (weights are arguments), so
+``torch.compile`` builds one graph for all layers instead of one per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_vlmbalance.moe.grouped import grouped_mlp
+from lightning_vlmbalance.moe.routing import combine, dispatch, load_balancing_loss, route
+
+__all__ = [
+    "PatchedMoE",
+    "expert_list_moe",
+    "fused_experts_moe",
+    "patch_moe_modules",
+    "unpatch_moe_modules",
+]
+
+log = logging.getLogger(__name__)
+
+# Hugging Face ``hidden_act`` names -> grouped_mlp activations
+_ACTIVATIONS: dict[str, str] = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "relu": "relu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
+
+
+def expert_list_moe(
+    x_ND: torch.Tensor,
+    router_w: torch.Tensor,
+    up_w: list[torch.Tensor],
+    up_b: list[torch.Tensor],
+    down_w: list[torch.Tensor],
+    down_b: list[torch.Tensor],
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The example's MoE (softmax top-k, renormalised, GELU experts with biases), sorted.
+
+    Returns ``(out_ND, counts_E, scores_NE)``."""
+    E = len(up_w)
+    weights_NK, experts_NK, scores_NE = route(
+        F.linear(x_ND, router_w), top_k, renormalize=True, score_dtype=None
+    )
+    d = dispatch(experts_NK, E)
+    xs = x_ND.index_select(0, d.token)
+    y = grouped_mlp(
+        xs,
+        torch.stack(up_w),
+        torch.stack(up_b),
+        torch.stack(down_w),
+        torch.stack(down_b),
+        d.offsets,
+        act="gelu",
+        gated=False,
+    )
+    return combine(y, d, weights_NK), d.counts, scores_NE.detach()
+
+
+def fused_experts_moe(
+    x_NH: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: str,
+    transposed: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face fused experts (gated: ``act(gate) * up``), sorted. ``transposed``: weights
+    stored (E, in, out) rather than (E, out, in). Returns ``(out_NH, counts_E)``."""
+    E = gate_up.shape[0]
+    d = dispatch(top_k_index, E)
+    xs = x_NH.index_select(0, d.token)
+    w1 = gate_up.transpose(1, 2) if transposed else gate_up  # (E, 2F, H)
+    w2 = down.transpose(1, 2) if transposed else down  # (E, H, F)
+    y = grouped_mlp(xs, w1, None, w2, None, d.offsets, act=_ACTIVATIONS[act], gated=True)
+    return combine(y, d, top_k_weights).to(x_NH.dtype), d.counts
+
+
+@dataclass
+class PatchedMoE:
+    """One patched module and its latest router statistics (tensors, never synced here)."""
+
+    name: str
+    kind: str  # "expert_list" or "fused_experts"
+    module: nn.Module
+    router: nn.Module | None = None
+    counts: torch.Tensor | None = None  # tokens routed to each expert (int32, E)
+    scores: torch.Tensor | None = None  # router scores (N, E), detached (expert list)
+    logits: torch.Tensor | None = None  # router logits (N, E), detached (fused: from the hook)
+    handles: list[Any] = field(default_factory=list)
+
+    def load_balancing_loss(self) -> torch.Tensor | None:
+        """From the last forward; for fused experts from the router's logits (softmax scores,
+        as Mixtral and Qwen3-MoE route)."""
+        scores = self.scores
+        if scores is None and self.logits is not None:
+            scores = self.logits.float().softmax(dim=-1)
+        if self.counts is None or scores is None:
+            return None
+        return load_balancing_loss(scores.float(), self.counts)
+
+
+def _is_expert_list(m: nn.Module) -> bool:
+    experts = getattr(m, "experts", None)
+    return (
+        isinstance(getattr(m, "router", None), nn.Linear)
+        and isinstance(getattr(m, "topk", None), int)
+        and isinstance(experts, nn.ModuleList)
+        and len(experts) > 0
+        and all(
+            isinstance(getattr(e, "up", None), nn.Linear)
+            and isinstance(getattr(e, "down", None), nn.Linear)
+            and e.up.bias is not None
+            and e.down.bias is not None
+            for e in experts
+        )
+    )
+
+
+def _fused_act(m: nn.Module) -> str | None:
+    config = getattr(m, "config", None)
+    act = getattr(config, "hidden_act", None)
+    return act if act in _ACTIVATIONS else None
+
+
+def _is_fused_experts(m: nn.Module) -> bool:
+    gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gate_up.dim() == 3
+        and down.dim() == 3
+        and getattr(m, "has_gate", True)
+        and not getattr(m, "has_bias", False)
+        and _fused_act(m) is not None
+    )
+
+
+def patch_moe_modules(
+    root: nn.Module, *, compile_kwargs: dict[str, Any] | None = None
+) -> list[PatchedMoE]:
+    """Replaces the forward of every recognised MoE module under ``root`` with the sorted
+    dispatch (compiled with ``torch.compile(**compile_kwargs)`` when given). Returns what was
+    patched; :func:`unpatch_moe_modules` restores it."""
+    list_fn: Callable[..., Any] = expert_list_moe
+    fused_fn: Callable[..., Any] = fused_experts_moe
+    if compile_kwargs is not None:
+        list_fn = torch.compile(expert_list_moe, **compile_kwargs)
+        fused_fn = torch.compile(fused_experts_moe, **compile_kwargs)
+    patched: list[PatchedMoE] = []
+    for name, m in root.named_modules():
+        if "forward" in m.__dict__:
+            continue  # patched already (or someone else's instance forward)
+        if _is_expert_list(m):
+            p = PatchedMoE(name, "expert_list", m)
+            m.forward = _expert_list_forward(p, list_fn)
+            patched.append(p)
+        elif _is_fused_experts(m):
+            p = PatchedMoE(name, "fused_experts", m)
+            m.forward = _fused_forward(p, fused_fn)
+            parent = _parent(root, name)
+            router = getattr(parent, "gate", None) if parent is not None else None
+            if isinstance(router, nn.Module):
+                p.router = router
+                p.handles.append(router.register_forward_hook(_record_router(p)))
+            patched.append(p)
+    return patched
+
+
+def unpatch_moe_modules(patched: list[PatchedMoE]) -> None:
+    """Restores the original forwards and removes the router hooks."""
+    for p in patched:
+        p.module.__dict__.pop("forward", None)
+        for h in p.handles:
+            h.remove()
+        p.handles.clear()
+
+
+def _expert_list_forward(p: PatchedMoE, fn: Callable[..., Any]) -> Callable[..., Any]:
+    m = p.module
+
+    def forward(x_TD: torch.Tensor) -> torch.Tensor:
+        out, p.counts, p.scores = fn(
+            x_TD,
+            m.router.weight,
+            [e.up.weight for e in m.experts],
+            [e.up.bias for e in m.experts],
+            [e.down.weight for e in m.experts],
+            [e.down.bias for e in m.experts],
+            m.topk,
+        )
+        return out
+
+    return forward
+
+
+def _fused_forward(p: PatchedMoE, fn: Callable[..., Any]) -> Callable[..., Any]:
+    m = p.module
+    act = _fused_act(m)
+    transposed = bool(getattr(m, "is_transposed", False))
+
+    def forward(
+        hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out, p.counts = fn(
+            hidden_states, top_k_index, top_k_weights, m.gate_up_proj, m.down_proj, act, transposed
+        )
+        return out
+
+    return forward
+
+
+def _record_router(p: PatchedMoE) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        logits = output[0] if isinstance(output, tuple) else output
+        if isinstance(logits, torch.Tensor):
+            p.logits = logits.detach()
+
+    return hook
+
+
+def _parent(root: nn.Module, name: str) -> nn.Module | None:
+    if not name:
+        return None
+    parent_name = name.rpartition(".")[0]
+    return root.get_submodule(parent_name) if parent_name else root
