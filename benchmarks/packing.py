@@ -54,7 +54,12 @@ from lightning_vlmbalance.packing.binpack import (
     pack_greedy,
     packing_efficiency,
 )
-from lightning_vlmbalance.synthetic import LengthTable, read_length_csv, synthetic_length_table
+from lightning_vlmbalance.synthetic import (
+    LengthTable,
+    read_length_csv,
+    synthetic_length_table,
+)
+from lightning_vlmbalance.synthetic import resample_text_share as _resample_text_share
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 DEFAULT_FILES = (
@@ -79,51 +84,12 @@ def default_data() -> list[Path] | None:
     return files or None
 
 
-def take_rows(table: LengthTable, rows: np.ndarray) -> LengthTable:
-    """The rows ``rows`` of ``table``, in that order."""
-    return LengthTable(
-        total_tokens=table.total_tokens[rows],
-        image_tokens=table.image_tokens[rows],
-        images=table.images[rows],
-    )
-
-
 def resample_text_share(table: LengthTable, text_share: float, seed: int) -> LengthTable:
-    """Keeps every image row once, draws text-only rows to reach ``text_share``, then shuffles.
-
-    ``n_txt = round(F / (1 - F) * n_img)`` text rows (``image_tokens == 0``) are drawn uniformly
-    with replacement; ``F = 0`` drops all text rows; ``F = 1`` is only valid when every row is a
-    text row (all of them are kept). The combined rows are shuffled with the same generator.
-    """
-    if not 0.0 <= text_share <= 1.0:
-        raise BenchmarkError(f"--text-share {text_share} must be in [0, 1)")
-    is_text = table.image_tokens == 0
-    text_rows = np.flatnonzero(is_text)
-    image_rows = np.flatnonzero(~is_text)
-    rng = np.random.default_rng(seed)
-    if text_share == 1.0:
-        if len(image_rows) or not len(text_rows):
-            raise BenchmarkError(
-                "--text-share 1 is only valid when the data has only text-only rows"
-                f" (it has {len(image_rows)} image rows and {len(text_rows)} text rows);"
-                " use a value in [0, 1)"
-            )
-        rows = text_rows
-    else:
-        if text_share > 0.0 and not len(text_rows):
-            raise BenchmarkError(
-                f"--text-share {text_share} needs text-only rows (image_tokens == 0), but the"
-                " data has none; add a text-only file with --data or use --text-share 0"
-            )
-        if not len(image_rows):
-            raise BenchmarkError(
-                f"--text-share {text_share} keeps the image rows and scales the text rows to"
-                " them, but the data has no image rows"
-            )
-        n_txt = round(text_share / (1.0 - text_share) * len(image_rows))
-        drawn = rng.choice(text_rows, size=n_txt, replace=True) if n_txt else text_rows[:0]
-        rows = np.concatenate([image_rows, drawn])
-    return take_rows(table, rows[rng.permutation(len(rows))])
+    """:func:`lightning_vlmbalance.synthetic.resample_text_share`, errors as BenchmarkError."""
+    try:
+        return _resample_text_share(table, text_share, seed)
+    except ValueError as err:
+        raise BenchmarkError(str(err).replace("text_share", "--text-share")) from err
 
 
 def make_packer(

@@ -64,6 +64,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--pixel-dim", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per mode, seconds")
+    p.add_argument(
+        "--timings-dir",
+        type=Path,
+        default=None,
+        help="write StragglerMonitor-schema JSON lines per rank (DIR/<mode>/rank_<r>.jsonl)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     modes = [m for m in args.mode.split(",") if m]
@@ -161,6 +167,12 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
             exchange_timeout_s=120,
         )
         sync = torch.zeros(1)
+        micro_records: list[dict[str, Any]] = []
+        timings = None
+        if args.timings_dir is not None:
+            folder = args.timings_dir / mode
+            folder.mkdir(parents=True, exist_ok=True)
+            timings = open(folder / f"rank_{rank}.jsonl", "w")
         busy = 0.0
         step_start = None
         t0 = 0.0
@@ -169,6 +181,7 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
             if micro == 0 and step == args.warmup:
                 dist.barrier()
                 t0 = time.perf_counter()
+                last_step_end = t0
                 busy = 0.0
                 step_start = step
             m = batch["meta"]
@@ -179,13 +192,44 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
                 "image_sq_tokens": [sum(v * v for v in m["image_sizes"])],
                 "doc_sq_tokens": [sum(v * v for v in m["doc_lens"])],
             }
-            seconds = float(model.pack_cost_ms(feats)[0]) * args.time_scale / 1e3
-            time.sleep(seconds)  # the GPU-bound compute of this micro-batch
+            phases = {k: float(v[0]) for k, v in model.predict(feats).items()}
+            sleeps = {  # the GPU-bound compute of this micro-batch, phase by phase
+                "vision_fwd": phases["vision_fwd"],
+                "llm_fwd": phases["llm_fwd"],
+                "backward": phases["vision_bwd"] + phases["llm_bwd"],
+            }
+            record = {k: int(v[0]) for k, v in feats.items()} | {"pack_id": m["pack_id"]}
+            for phase, ms in sleeps.items():
+                start = time.perf_counter()
+                time.sleep(ms * args.time_scale / 1e3)
+                record[f"{phase}_ms"] = (time.perf_counter() - start) * 1e3
+            seconds = sum(record[f"{phase}_ms"] for phase in sleeps) / 1e3
             if step_start is not None:
                 busy += seconds
+                micro_records.append(record)
             if micro == args.ga - 1:
                 dist.all_reduce(sync)  # DDP's gradient all-reduce: wait for the slowest rank
+                if timings is not None and step_start is not None:
+                    now = time.perf_counter()
+                    timings.write(
+                        json.dumps(
+                            {
+                                "v": 1,
+                                "rank": rank,
+                                "world_size": world,
+                                "global_step": step,
+                                "micro_batches": args.ga,
+                                "step_ms": (now - last_step_end) * 1e3,
+                                "micro": micro_records,
+                            }
+                        )
+                        + "\n"
+                    )
+                    last_step_end = now
+                micro_records = []
         wall = time.perf_counter() - t0
+        if timings is not None:
+            timings.close()
         stats = list(loader.stats)[args.warmup :]
         q.put(
             (

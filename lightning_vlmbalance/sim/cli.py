@@ -1,0 +1,187 @@
+"""``vlmbalance-sim``: what-if tables and plots of straggler waste and rebalancing gain.
+
+    vlmbalance-sim run --data mix.csv --text-share 0.4 --seq-len 8192 --dp 8,64,512,4096 \\
+        --ga 1,8 --strategies off,sync,overlap,budget [--cost-model cost.json] [--json]
+    vlmbalance-sim calibrate OUT/straggler -o cost.json
+
+``run`` prints a table (or, with ``--json``, a JSON list of rows) and writes a PNG of waste and
+gain against the data-parallel size, one line per strategy and micro-step count (``--plot``;
+needs matplotlib). ``calibrate`` fits the cost model to StragglerMonitor JSON lines (a file or a
+folder of ``rank_*.jsonl``) and prints the fit error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.sim.simulate import STRATEGIES, SYNC_EVERY, ExchangeModel, simulate
+from lightning_vlmbalance.synthetic import read_length_csv, resample_text_share
+
+_COLUMNS = (
+    ("strategy", "{:>8}"),
+    ("dp", "{:>6}"),
+    ("ga", "{:>4}"),
+    ("step_ms", "{:>11.1f}"),
+    ("step_p95_ms", "{:>11.1f}"),
+    ("ideal_step_ms", "{:>11.1f}"),
+    ("waste_frac", "{:>7.3f}"),
+    ("tokens_per_s_per_rank", "{:>9.0f}"),
+    ("packing_efficiency", "{:>6.3f}"),
+    ("moved_packs", "{:>8.1f}"),
+    ("gain", "{:>+7.3f}"),
+)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _strategies(text: str) -> list[str]:
+    values = [v for v in text.split(",") if v]
+    bad = [v for v in values if v not in STRATEGIES]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"strategies are {', '.join(STRATEGIES)}; got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vlmbalance-sim", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="simulate a sweep")
+    run.add_argument("--data", action="append", type=Path, required=True, metavar="CSV")
+    run.add_argument("--text-share", type=float, default=None, metavar="F")
+    run.add_argument("--seq-len", type=int, default=8192)
+    run.add_argument("--dp", type=_ints, default=[8, 64, 512])
+    run.add_argument("--ga", type=_ints, default=[1, 8])
+    run.add_argument("--strategies", type=_strategies, default=list(STRATEGIES))
+    run.add_argument("--cost-model", type=Path, default=None, metavar="FILE")
+    run.add_argument("--batches", type=int, default=32, help="global batches per configuration")
+    run.add_argument("--sync-every", choices=SYNC_EVERY, default="step")
+    run.add_argument("--bandwidth-gb-s", type=float, default=ExchangeModel.bandwidth_gb_s)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--plot", type=Path, default=Path("vlmbalance_sim.png"), metavar="PNG")
+    run.add_argument("--no-plot", action="store_true")
+    run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--json", action="store_true")
+    cal = sub.add_parser("calibrate", help="fit the cost model to StragglerMonitor JSON lines")
+    cal.add_argument("timings", type=Path, metavar="TIMINGS")
+    cal.add_argument("-o", "--output", type=Path, required=True, metavar="COST_JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "calibrate":
+            return _calibrate(args)
+        return _run(args)
+    except (ValueError, OSError) as err:
+        print(f"vlmbalance-sim: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    model = CostModel()
+    report = model.fit(args.timings)
+    model.save(args.output)
+    print(f"fitted on {args.timings}: {report}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    table = read_length_csv(*args.data)
+    if args.text_share is not None:
+        table = resample_text_share(table, args.text_share, args.seed)
+    model = CostModel.load(args.cost_model) if args.cost_model else CostModel()
+    total = len(args.dp) * len(args.ga) * len(args.strategies) * args.batches
+    bar = None
+    if not args.no_progress and not args.json:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="simulating", unit="batch", file=sys.stderr)
+    try:
+        rows = simulate(
+            table,
+            seq_len=args.seq_len,
+            cost_model=model,
+            dp=args.dp,
+            ga=args.ga,
+            strategies=args.strategies,
+            exchange=ExchangeModel(bandwidth_gb_s=args.bandwidth_gb_s),
+            batches=args.batches,
+            seed=args.seed,
+            sync_every=args.sync_every,
+            progress=bar.update if bar is not None else None,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    if not args.no_plot:
+        plot(rows, args.plot)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(" ".join(name for name, _ in _COLUMNS))
+    for row in rows:
+        print(" ".join(fmt.format(row[k]) if row[k] is not None else "-" for k, fmt in _COLUMNS))
+    if not args.no_plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Waste and gain against the data-parallel size, one line per (strategy, ga)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ValueError(
+            "--plot needs matplotlib (pip install matplotlib) or pass --no-plot"
+        ) from err
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    keys = sorted({(r["strategy"], r["ga"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    colors = {s: f"C{i}" for i, s in enumerate(STRATEGIES)}
+    styles = {
+        ga: ("-", "--", ":", "-.")[i % 4] for i, ga in enumerate(sorted({k[1] for k in keys}))
+    }
+    for strategy, ga in keys:
+        sel = [r for r in rows if (r["strategy"], r["ga"]) == (strategy, ga)]
+        sel.sort(key=lambda r: r["dp"])
+        dps = [r["dp"] for r in sel]
+        style = {"color": colors[strategy], "linestyle": styles[ga], "marker": "o"}
+        label = f"{strategy}, ga={ga}"
+        left.plot(dps, [r["waste_frac"] for r in sel], label=label, **style)
+        right.plot(dps, [r["gain"] or 0.0 for r in sel], label=label, **style)
+    for ax, title in (
+        (left, "straggler waste (1 - ideal / step)"),
+        (right, "throughput gain over off"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("data-parallel ranks")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,397 @@
+"""What-if simulation of straggler waste and rebalancing gain, from a data mix and a cost model.
+
+For each configuration (strategy, data-parallel size ``dp``, micro-steps ``ga``) it runs the
+real packing core on the mix, prices every pack with a :class:`CostModel`, draws global batches
+(``dp x ga`` packs, rank ``r`` computing packs ``r*ga .. r*ga+ga-1``), and computes each global
+batch's step time as the ranks' synchronisation makes it:
+
+- ``sync_every="step"`` (one gradient sync per optimizer step, as under ``strategy="vlmbalance"``
+  or any DDP without per-micro-batch barriers): ``max over ranks of the sum of its packs``;
+- ``sync_every="microstep"`` (a barrier in every micro-batch, as Lightning's default DDP loop):
+  ``sum over micro-steps of the max over ranks``.
+
+Strategies: ``off`` (the packs where the sampler put them); ``sync`` and ``overlap`` (the real
+planner moves whole packs; the exchange costs ``bytes / bandwidth + latency x messages`` per rank,
+plus a planning time, exposed in full when synchronous and only beyond the previous step's compute
+when overlapped); ``budget`` (packs built with an image-token budget per pack: better balanced
+packs, worse packing efficiency, no rebalancing).
+
+Global batches are either drawn uniformly from the pack pool of the whole mix (``replay=False``:
+any ``dp``), or replayed exactly as the distributed sampler deals them
+(``replay=True``: ``build_epoch_plan(world_size=dp)``, global batch ``k`` = packs ``k*ga..`` of
+every rank), which is how the emulated benchmark runs and what validation compares against.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.balance.planner import plan_rebalance
+from lightning_vlmbalance.packing import PackingConfig, build_epoch_plan
+from lightning_vlmbalance.synthetic import LengthTable
+
+__all__ = [
+    "STRATEGIES",
+    "SYNC_EVERY",
+    "ExchangeModel",
+    "StepOverhead",
+    "closed_form_waste",
+    "pack_features",
+    "simulate",
+]
+
+STRATEGIES: tuple[str, ...] = ("off", "sync", "overlap", "budget")
+SYNC_EVERY: tuple[str, ...] = ("step", "microstep")
+
+
+@dataclass(frozen=True)
+class ExchangeModel:
+    """Cost of moving packs between ranks.
+
+    Args:
+        bandwidth_gb_s: per-rank network bandwidth, GB/s (25: 200 Gb/s InfiniBand).
+        latency_ms: per message (a pack is one message each way).
+        text_token_bytes: bytes per token of ids, labels and positions.
+        image_token_bytes: pixel bytes per image token (14 x 14 patches, 3 channels, bfloat16,
+            2 x 2 merge: 4,704).
+        plan_ms: planning time per global batch (the planner's measured 5-30 ms at 16k packs).
+    """
+
+    bandwidth_gb_s: float = 25.0
+    latency_ms: float = 0.02
+    text_token_bytes: int = 24
+    image_token_bytes: int = 4704
+    plan_ms: float = 5.0
+
+    def exchange_ms(self, moves: np.ndarray, pack_bytes: np.ndarray, world: int) -> float:
+        """Milliseconds until every rank has sent and received its moved packs."""
+        if not len(moves):
+            return self.plan_ms
+        sent = np.bincount(moves[:, 1], weights=pack_bytes[moves[:, 0]], minlength=world)
+        recv = np.bincount(moves[:, 2], weights=pack_bytes[moves[:, 0]], minlength=world)
+        msgs = np.bincount(moves[:, 1], minlength=world) + np.bincount(moves[:, 2], minlength=world)
+        busiest = float(np.max(np.maximum(sent, recv)))
+        return self.plan_ms + busiest / (self.bandwidth_gb_s * 1e6) + self.latency_ms * msgs.max()
+
+
+@dataclass(frozen=True)
+class StepOverhead:
+    """Time per optimizer step beyond the slowest rank's compute: the gradient all-reduce's
+    latency and the ranks' launch and wake-up jitter (whose maximum grows with the rank count),
+    ``base_ms + per_log2_rank_ms * log2(dp)``. Zero by default; :meth:`fit` measures it."""
+
+    base_ms: float = 0.0
+    per_log2_rank_ms: float = 0.0
+
+    def __call__(self, dp: int) -> float:
+        return max(0.0, self.base_ms + self.per_log2_rank_ms * math.log2(max(dp, 1)))
+
+    @classmethod
+    def fit(cls, steps: Sequence[Mapping[str, Any]]) -> StepOverhead:
+        """Least squares on StragglerMonitor step records of several runs: for each (run,
+        global step), ``step_ms`` minus the largest per-rank sum of the micro-batches' measured
+        ``vision_fwd_ms + llm_fwd_ms + backward_ms``. Each record needs ``world_size``,
+        ``global_step``, ``step_ms``, ``micro`` and a ``run`` key telling runs apart.
+
+        Raises:
+            ValueError: with fewer than two distinct world sizes (naming what it got).
+        """
+        groups: dict[tuple[Any, int], list[Mapping[str, Any]]] = {}
+        for rec in steps:
+            groups.setdefault((rec["run"], int(rec["global_step"])), []).append(rec)
+        xs, ys = [], []
+        for recs in groups.values():
+            busy = max(
+                sum(m["vision_fwd_ms"] + m["llm_fwd_ms"] + m["backward_ms"] for m in r["micro"])
+                for r in recs
+            )
+            xs.append(math.log2(int(recs[0]["world_size"])))
+            ys.append(float(np.mean([r["step_ms"] for r in recs])) - busy)
+        if len(set(xs)) < 2:
+            raise ValueError(
+                f"StepOverhead.fit needs step records of at least two world sizes; got"
+                f" {sorted({2**x for x in xs})}"
+            )
+        slope, base = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
+        return cls(float(base), float(slope))
+
+
+def pack_features(
+    packs: Sequence[np.ndarray], total: np.ndarray, image: np.ndarray, images: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Cost features of packs given as arrays of sample ids (a sample's image tokens split
+    evenly over its images; each sample one document)."""
+    image_sq = np.where(images > 0, image * image // np.maximum(images, 1), 0)
+    per_sample = {
+        "total_tokens": total,
+        "image_tokens": image,
+        "images": images,
+        "image_sq_tokens": image_sq,
+        "doc_sq_tokens": total * total,
+    }
+    lengths = np.array([len(ids) for ids in packs], dtype=np.int64)
+    flat = np.concatenate(packs).astype(np.int64) if len(packs) else np.zeros(0, np.int64)
+    owner = np.repeat(np.arange(len(packs)), lengths)  # pack of each sample id in ``flat``
+    return {
+        k: np.bincount(owner, weights=v[flat], minlength=len(packs)).astype(np.int64)
+        for k, v in per_sample.items()
+    }
+
+
+_FEATURES = ("total_tokens", "image_tokens", "images", "image_sq_tokens", "doc_sq_tokens")
+
+
+def _expected_max_std_normal(n: int) -> float:
+    """E[max of n standard normals] (Blom's approximation; 0 for n = 1)."""
+    if n <= 1:
+        return 0.0
+    return statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def closed_form_waste(mean_ms: float, std_ms: float, dp: int, ga: int, sync_every: str) -> float:
+    """Waste of ``off`` if pack costs were i.i.d. (mean, std): a rank's load is the sum of
+    ``ga`` packs, ~ N(ga*mean, ga*std^2); the step waits for the largest of ``dp`` such loads,
+    ``ga*mean + sqrt(ga)*std*z(dp)`` (grows with dp, shrinks relative to the mean as 1/sqrt(ga));
+    with a barrier every micro-step it is ``ga*(mean + std*z(dp))`` (no averaging)."""
+    z = _expected_max_std_normal(dp)
+    spread = std_ms * z * (math.sqrt(ga) if sync_every == "step" else ga)
+    expected = ga * mean_ms + spread
+    return 1.0 - ga * mean_ms / expected if expected > 0 else 0.0
+
+
+class _Pool:
+    """The packs of one packer over the mix: sample ids, features, costs, bytes."""
+
+    def __init__(
+        self,
+        table: LengthTable,
+        seq_len: int,
+        cost_model: CostModel,
+        exchange: ExchangeModel,
+        world_size: int,
+        seed: int,
+        packer: str = "greedy",
+        image_budget: int | None = None,
+        window: int = 4096,
+    ) -> None:
+        total = np.asarray(table.total_tokens, dtype=np.int64)
+        image = np.asarray(table.image_tokens, dtype=np.int64)
+        images = np.asarray(table.images, dtype=np.int64)
+        config = PackingConfig(
+            seq_len=seq_len,
+            seed=seed,
+            window=window,
+            overlong="skip",
+            packer=packer,
+            image_budget=image_budget,
+        )
+        if packer == "budget":  # a sample above the budget cannot be packed at all: leave it out
+            keep = image <= (image_budget or 0)
+            total, image, images = total[keep], image[keep], images[keep]
+        plan = build_epoch_plan(total, image, config, world_size=world_size, epoch=0)
+        self.plan = plan
+        flat = [ids for rank in plan.rank_packs for ids in rank]
+        feats = pack_features(flat, total, image, images)
+        self.cost_ms = cost_model.pack_cost_ms(feats)
+        self.tokens = feats["total_tokens"]
+        self.image_tokens = feats["image_tokens"]
+        text = feats["total_tokens"] - feats["image_tokens"]
+        self.bytes = text * exchange.text_token_bytes + feats["image_tokens"] * (
+            exchange.image_token_bytes
+        )
+        real = self.tokens > 0
+        self.efficiency = (
+            float(self.tokens[real].sum() / (real.sum() * seq_len)) if real.any() else 0.0
+        )
+        self.per_rank = plan.packs_per_rank
+
+    def replay_batches(self, world: int, ga: int, skip: int, count: int) -> list[np.ndarray]:
+        """Global batches as the sampler deals them: (world*ga,) pack indices, rank-major."""
+        n = self.per_rank
+        out = []
+        for k in range(skip, skip + count):
+            if (k + 1) * ga > n:
+                raise ValueError(
+                    f"replay: the mix gives {n} packs per rank at dp={world}; global batch {k}"
+                    f" needs {(k + 1) * ga}: use fewer batches or more data"
+                )
+            out.append(
+                np.concatenate([r * n + np.arange(k * ga, (k + 1) * ga) for r in range(world)])
+            )
+        return out
+
+
+def simulate(
+    table: LengthTable,
+    *,
+    seq_len: int,
+    cost_model: CostModel | None = None,
+    dp: Sequence[int] = (8, 64, 512),
+    ga: Sequence[int] = (1, 8),
+    strategies: Sequence[str] = STRATEGIES,
+    exchange: ExchangeModel | None = None,
+    batches: int = 32,
+    seed: int = 0,
+    sync_every: str = "step",
+    image_budget: int | None = None,
+    replay: bool = False,
+    replay_skip: int = 0,
+    step_overhead: StepOverhead | None = None,
+    progress: Callable[[int], Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Simulates every (strategy, dp, ga); see the module docstring.
+
+    Args:
+        table: the data mix (e.g. :func:`~lightning_vlmbalance.read_length_csv` after
+            :func:`~lightning_vlmbalance.synthetic.resample_text_share`).
+        seq_len: tokens per pack.
+        cost_model: per-pack cost (default :class:`CostModel`; calibrate with ``CostModel.fit``).
+        dp, ga: data-parallel sizes and micro-steps per optimizer step.
+        strategies: any of ``off``, ``sync``, ``overlap``, ``budget``.
+        exchange: the exchange cost model.
+        batches: global batches per configuration.
+        seed: seed of the packing shuffle and of the batch draws (same seed, same rows).
+        sync_every: ``"step"`` or ``"microstep"`` (see the module docstring).
+        image_budget: image tokens per pack of ``budget`` (default: the mean image tokens of a
+            greedy pack, rounded up).
+        replay: deal batches as the distributed sampler does instead of drawing them.
+        replay_skip: global batches to skip first (warm-up) in replay mode.
+        step_overhead: fixed time per optimizer step beyond the slowest rank (default none).
+        progress: called with 1 after each global batch (e.g. a progress bar's ``update``).
+
+    Returns:
+        One dict per configuration: ``strategy``, ``dp``, ``ga``, ``step_ms`` (mean),
+        ``step_p95_ms``, ``ideal_step_ms`` (every rank at the mean load), ``waste_frac``
+        (1 - ideal / step), ``tokens_per_s_per_rank``, ``packing_efficiency``, ``moved_packs``
+        (mean per global batch), ``exposed_exchange_ms``, ``gain`` (tokens/s over ``off``'s,
+        minus 1: for ``budget`` its fuller-but-fewer packs count; ``None`` without ``off``),
+        ``closed_form_waste`` (``off`` only).
+
+    Raises:
+        ValueError: for an unknown strategy or sync mode, or a mix too small to replay.
+    """
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad or not strategies:
+        raise ValueError(f"simulate(strategies={list(strategies)}): expected some of {STRATEGIES}")
+    if sync_every not in SYNC_EVERY:
+        raise ValueError(f"simulate(sync_every={sync_every!r}): expected one of {SYNC_EVERY}")
+    if batches < 1 or min(dp) < 1 or min(ga) < 1:
+        raise ValueError("simulate: batches, dp and ga must be >= 1")
+    cost_model = cost_model or CostModel()
+    exchange = exchange or ExchangeModel()
+    overhead = step_overhead or StepOverhead()
+    objective = "step" if sync_every == "step" else "microstep"
+    rows: list[dict[str, Any]] = []
+    pools: dict[tuple[str, int], _Pool] = {}
+
+    def pool(packer: str, world: int) -> _Pool:
+        key = (packer, world if replay else 1)
+        if key not in pools:
+            budget = None
+            if packer == "budget":
+                budget = image_budget or _default_budget(pool("greedy", world))
+            pools[key] = _Pool(table, seq_len, cost_model, exchange, key[1], seed, packer, budget)
+        return pools[key]
+
+    for R in dp:
+        for G in ga:
+            group: list[dict[str, Any]] = []
+            for strategy in strategies:
+                p = pool("budget" if strategy == "budget" else "greedy", R)
+                if replay:
+                    draws = p.replay_batches(R, G, replay_skip, batches)
+                else:
+                    rng = np.random.default_rng([seed, R, G])
+                    real = np.flatnonzero(p.tokens > 0)
+                    draws = [rng.choice(real, size=R * G) for _ in range(batches)]
+                row = _run(strategy, p, draws, R, G, objective, exchange, overhead(R), progress)
+                group.append(row)
+            off = next((r for r in group if r["strategy"] == "off"), None)
+            for row in group:
+                row["gain"] = (
+                    row["tokens_per_s_per_rank"] / off["tokens_per_s_per_rank"] - 1.0
+                    if off and off["tokens_per_s_per_rank"]
+                    else None
+                )
+                if row["strategy"] == "off":
+                    c = pool("greedy", R).cost_ms
+                    c = c[c > 0]
+                    row["closed_form_waste"] = closed_form_waste(
+                        float(c.mean()), float(c.std()), R, G, sync_every
+                    )
+            rows.extend(group)
+    return rows
+
+
+def _default_budget(greedy: _Pool) -> int:
+    """Mean image tokens of a greedy pack, rounded up: the budget that keeps the same images."""
+    real = greedy.tokens > 0
+    return max(1, math.ceil(float(greedy.image_tokens[real].mean()))) if real.any() else 1
+
+
+def _run(
+    strategy: str,
+    p: _Pool,
+    draws: list[np.ndarray],
+    R: int,
+    G: int,
+    objective: str,
+    exchange: ExchangeModel,
+    overhead_ms: float,
+    progress: Callable[[int], Any] | None,
+) -> dict[str, Any]:
+    steps, ideals, moved, exposed, tokens = [], [], [], [], []
+    origin = np.repeat(np.arange(R, dtype=np.int64), G)
+    for draw in draws:
+        cost = p.cost_ms[draw]
+        compute = cost.reshape(R, G)
+        exposed_ms = 0.0
+        if strategy in ("sync", "overlap") and R > 1:
+            plan = plan_rebalance(
+                np.rint(cost * 1000.0).astype(np.int64), origin, R, G, objective=objective
+            )
+            compute = cost[plan.assignment[:, :, 0]]
+            moves = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 3)
+            moves_global = moves.copy()
+            moves_global[:, 0] = draw[moves[:, 0]] if len(moves) else moves[:, 0]
+            ex_ms = exchange.exchange_ms(moves_global, p.bytes, R)
+            moved.append(len(moves))
+        step = _step_time(compute, objective) + overhead_ms
+        if strategy == "sync" and R > 1:
+            exposed_ms = ex_ms
+        elif strategy == "overlap" and R > 1:
+            exposed_ms = max(0.0, ex_ms - step)  # hidden behind the previous step's compute
+        steps.append(step + exposed_ms)
+        exposed.append(exposed_ms)
+        ideals.append(float(cost.sum()) / R)
+        tokens.append(float(p.tokens[draw].sum()))
+        if progress is not None:
+            progress(1)
+    step_ms = float(np.mean(steps))
+    ideal = float(np.mean(ideals))
+    return {
+        "strategy": strategy,
+        "dp": R,
+        "ga": G,
+        "step_ms": step_ms,
+        "step_p95_ms": float(np.percentile(steps, 95)),
+        "ideal_step_ms": ideal,
+        "waste_frac": 1.0 - ideal / step_ms if step_ms > 0 else 0.0,
+        "tokens_per_s_per_rank": float(np.mean(tokens)) / R / (step_ms / 1e3) if step_ms else 0.0,
+        "packing_efficiency": p.efficiency,
+        "moved_packs": float(np.mean(moved)) if moved else 0.0,
+        "exposed_exchange_ms": float(np.mean(exposed)),
+    }
+
+
+def _step_time(compute: np.ndarray, objective: str) -> float:
+    if objective == "step":
+        return float(compute.sum(axis=1).max())
+    return float(compute.max(axis=0).sum())

@@ -1,0 +1,165 @@
+"""The what-if simulator: sanity laws, determinism, calibration, and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lightning_vlmbalance import CostModel, synthetic_length_table
+from lightning_vlmbalance.sim import closed_form_waste, simulate
+from lightning_vlmbalance.sim.cli import main
+from lightning_vlmbalance.synthetic import LengthTable
+
+
+def _mix(n: int = 6000, seed: int = 0) -> LengthTable:
+    return synthetic_length_table(n, text_share=0.3, seed=seed)
+
+
+def test_identical_samples_waste_nothing() -> None:
+    n = 4000
+    table = LengthTable(
+        total_tokens=np.full(n, 1000, dtype=np.int64),
+        image_tokens=np.full(n, 600, dtype=np.int64),
+        images=np.ones(n, dtype=np.int64),
+    )
+    rows = simulate(table, seq_len=4000, dp=[4, 16], ga=[1, 4], batches=4, strategies=["off"])
+    for row in rows:
+        assert row["waste_frac"] == pytest.approx(0.0, abs=1e-12)
+        assert row["step_ms"] == pytest.approx(row["ideal_step_ms"])
+
+
+def test_off_waste_grows_with_ranks_and_shrinks_with_micro_steps() -> None:
+    rows = simulate(
+        _mix(), seq_len=8192, dp=[2, 8, 32, 128], ga=[1, 4, 16], batches=48, strategies=["off"]
+    )
+    waste = {(r["dp"], r["ga"]): r["waste_frac"] for r in rows}
+    for ga in (1, 4, 16):
+        series = [waste[(dp, ga)] for dp in (2, 8, 32, 128)]
+        assert series == sorted(series), (ga, series)
+    for dp in (2, 8, 32, 128):
+        series = [waste[(dp, ga)] for ga in (1, 4, 16)]
+        assert series == sorted(series, reverse=True), (dp, series)
+
+
+def test_rebalancing_removes_most_waste_and_is_deterministic() -> None:
+    kwargs = {"seq_len": 8192, "dp": [16], "ga": [8], "batches": 6, "seed": 3}
+    rows = simulate(_mix(), **kwargs)
+    assert rows == simulate(_mix(), **kwargs)  # same seed, same rows
+    by = {r["strategy"]: r for r in rows}
+    assert by["overlap"]["waste_frac"] < 0.2 * by["off"]["waste_frac"]
+    assert by["overlap"]["gain"] > 0 and by["overlap"]["moved_packs"] > 0
+    assert by["sync"]["exposed_exchange_ms"] > 0 and by["overlap"]["exposed_exchange_ms"] == 0
+    assert by["budget"]["packing_efficiency"] < by["off"]["packing_efficiency"]
+    assert 0 < by["off"]["closed_form_waste"] < 1
+    other = simulate(_mix(), **{**kwargs, "seed": 4})
+    assert other != rows
+
+
+def test_closed_form_laws() -> None:
+    assert closed_form_waste(10.0, 3.0, 1, 8, "step") == 0.0
+    w = [closed_form_waste(10.0, 3.0, dp, 4, "step") for dp in (2, 16, 1024)]
+    assert w == sorted(w)
+    assert closed_form_waste(10.0, 3.0, 64, 16, "step") < closed_form_waste(
+        10.0, 3.0, 64, 1, "step"
+    )
+    # a barrier every micro-step takes away the averaging over micro-steps
+    assert closed_form_waste(10.0, 3.0, 64, 16, "microstep") > closed_form_waste(
+        10.0, 3.0, 64, 16, "step"
+    )
+
+
+def test_bad_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="strategies"):
+        simulate(_mix(500), seq_len=8192, strategies=["fast"])
+    with pytest.raises(ValueError, match="sync_every"):
+        simulate(_mix(500), seq_len=8192, sync_every="never")
+
+
+def _write_csv(path, table: LengthTable) -> None:
+    rows = np.stack([table.total_tokens, table.image_tokens, table.images], axis=1)
+    np.savetxt(
+        path, rows, fmt="%d", delimiter=",", header="total_tokens,image_tokens,images", comments=""
+    )
+
+
+def test_cli_run_json_and_plot(tmp_path, capsys) -> None:
+    csv = tmp_path / "mix.csv"
+    _write_csv(csv, _mix(3000))
+    png = tmp_path / "sim.png"
+    args = f"run --data {csv} --text-share 0.3 --dp 4,16 --ga 1,4 --batches 3 --plot {png} --json"
+    assert main(args.split()) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 2 * 2 * 4
+    for key in ("strategy", "dp", "ga", "step_ms", "ideal_step_ms", "waste_frac", "gain"):
+        assert key in rows[0]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["run", "--data", str(tmp_path / "none.csv"), "--no-plot"]) == 2
+
+
+def test_cli_calibrate_recovers_known_coefficients(tmp_path, capsys) -> None:
+    """Timings generated from a known model (2% noise), written as StragglerMonitor JSON lines,
+    come back as that model."""
+    truth = CostModel()
+    for phase in truth.coefficients:
+        for term in truth.coefficients[phase]:
+            truth.coefficients[phase][term] *= 1.7
+    rng = np.random.default_rng(0)
+    n = 400
+    feats = {
+        "total_tokens": rng.integers(2000, 8192, n),
+        "image_tokens": rng.integers(0, 6000, n),
+        "images": rng.integers(0, 8, n),
+    }
+    feats["images"] = np.where(feats["image_tokens"] > 0, np.maximum(feats["images"], 1), 0)
+    feats["image_sq_tokens"] = feats["image_tokens"] ** 2 // np.maximum(feats["images"], 1)
+    feats["doc_sq_tokens"] = feats["total_tokens"] * rng.integers(500, 4000, n)
+    ms = truth.predict(feats)
+    noise = lambda: rng.normal(1.0, 0.02, n)  # noqa: E731
+    micro = [
+        {
+            **{k: int(v[i]) for k, v in feats.items()},
+            "vision_fwd_ms": float(ms["vision_fwd"][i] * noise()[i]),
+            "llm_fwd_ms": float(ms["llm_fwd"][i] * noise()[i]),
+            "backward_ms": float((ms["vision_bwd"][i] + ms["llm_bwd"][i]) * noise()[i]),
+        }
+        for i in range(n)
+    ]
+    timings = tmp_path / "rank_0.jsonl"
+    timings.write_text(
+        "\n".join(json.dumps({"v": 1, "micro": micro[i : i + 4]}) for i in range(0, n, 4))
+    )
+    out = tmp_path / "cost.json"
+    assert main(["calibrate", str(timings), "-o", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    fitted = CostModel.load(out)
+    got = fitted.pack_cost_ms(feats)
+    want = truth.pack_cost_ms(feats)
+    assert np.max(np.abs(got / want - 1.0)) < 0.05
+
+
+def test_step_overhead_fit_recovers_base_and_slope() -> None:
+    from lightning_vlmbalance.sim import StepOverhead
+
+    steps = []
+    for world in (2, 4, 8):
+        for k in range(5):
+            busy = [10.0 + r + k for r in range(world)]
+            overhead = 1.5 + 4.0 * np.log2(world)
+            for r in range(world):
+                micro = [{"vision_fwd_ms": busy[r], "llm_fwd_ms": 0.0, "backward_ms": 0.0}]
+                steps.append(
+                    {
+                        "run": f"w{world}",
+                        "world_size": world,
+                        "global_step": k,
+                        "step_ms": max(busy) + overhead,
+                        "micro": micro,
+                    }
+                )
+    fit = StepOverhead.fit(steps)
+    assert fit.base_ms == pytest.approx(1.5) and fit.per_log2_rank_ms == pytest.approx(4.0)
+    assert fit(8) == pytest.approx(13.5)
+    with pytest.raises(ValueError, match="two world sizes"):
+        StepOverhead.fit([s for s in steps if s["world_size"] == 2])
