@@ -64,6 +64,9 @@ class MLP(nn.Module):
 class MoEFeedForward(nn.Module):
     """Top-k routed experts, computed with one ``torch.where`` per expert (the common baseline)."""
 
+    # tells CompiledMoERouting what this forward computes, so it may swap in the sorted dispatch
+    vlmbalance_moe = {"act": "gelu", "renormalize": True}  # noqa: RUF012
+
     def __init__(self, dim: int, hidden: int, experts: int, topk: int) -> None:
         super().__init__()
         self.topk = topk

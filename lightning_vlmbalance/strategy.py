@@ -58,6 +58,8 @@ class VLMBalanceStrategy(DDPStrategy):
             error on every rank within it.
         sigterm_every_micro_batch: keep Lightning's SIGTERM broadcast at every micro-batch
             (then ranks also synchronise per micro-batch: ``"auto"`` means ``"microstep"``).
+        gpu_payloads: on CUDA with NCCL, exchange pack payloads GPU to GPU on an NCCL group of
+            their own (default); ``False`` keeps them in host memory on the gloo group.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Raises:
@@ -81,6 +83,7 @@ class VLMBalanceStrategy(DDPStrategy):
         cost_model: CostModel | str | None = None,
         exchange_timeout_s: float = 300.0,
         sigterm_every_micro_batch: bool = False,
+        gpu_payloads: bool = True,
         **kwargs: Any,
     ) -> None:
         if mode not in MODES:
@@ -103,6 +106,7 @@ class VLMBalanceStrategy(DDPStrategy):
         self.cost_model = CostModel.load(cost_model) if isinstance(cost_model, str) else cost_model
         self.exchange_timeout_s = exchange_timeout_s
         self.sigterm_every_micro_batch = sigterm_every_micro_batch
+        self.gpu_payloads = gpu_payloads
         self.rebalancing_loader: RebalancingLoader | None = None
         self._exchange_group: dist.ProcessGroup | None = None
         self._payload_group: dist.ProcessGroup | None = None
@@ -134,7 +138,11 @@ class VLMBalanceStrategy(DDPStrategy):
             self._exchange_group = dist.new_group(
                 backend="gloo", timeout=timedelta(seconds=self.exchange_timeout_s)
             )
-            if self.root_device.type == "cuda" and dist.get_backend() == "nccl":
+            if (
+                self.gpu_payloads
+                and self.root_device.type == "cuda"
+                and dist.get_backend() == "nccl"
+            ):
                 # payloads travel GPU to GPU on an NCCL group of their own, on a side stream
                 self._payload_group = dist.new_group(
                     backend="nccl", timeout=timedelta(seconds=self.exchange_timeout_s)

@@ -16,11 +16,13 @@ within ``timeout_s``, never a hang.
 
 On GPUs the headers and specs (a few hundred bytes) still travel on the CPU ``group`` (gloo),
 while the payloads travel as device tensors on ``payload_group`` (NCCL): the sender copies the
-payload host-to-device and every send and receive is posted on a side CUDA ``stream``; once a
-received pack is complete, a CUDA event is recorded for it on that stream. The compute stream
-then waits on that one event before it uses that pack (:func:`wait_pack_ready`), never on the
-whole exchange. NCCL ignores tags; both ends post a pair's messages in the order of ``moves``,
-so they match.
+payload host-to-device and every send and receive is posted on a side CUDA ``stream``. The
+caller (the loader's background thread) waits until every transfer is done; then one CUDA event
+per received pack is recorded on the side stream, and the training loop's stream waits on that
+pack's event when the pack is handed to it (:func:`wait_pack_ready`), never on the side stream
+as a whole. NCCL ignores tags and runs one pair's operations in order: both ends post a pair's
+messages in the order of ``moves``, the lower rank its sends first, so a swap cannot deadlock.
+After a timeout the NCCL payload group may still hold queued operations: the fit fails.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ def exchange_packs(
         stream = torch.cuda.Stream(device)
     with _on_stream(device, stream):
         works, payload_works = [], []
+        send_to: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for p, dst in outgoing:
             spec, payload = encoded[p]
             works.append((dist.isend(spec, dst, group=group, tag=3 * p + 1), f"pack {p} to {dst}"))
@@ -201,14 +204,9 @@ def exchange_packs(
                 if on_cuda:  # keeps the (pinned) host copy alive until the copy ran
                     payload = payload.pin_memory().to(device, non_blocking=True)
                     encoded[p] = (spec, payload)
-                payload_works.append(
-                    (
-                        dist.isend(payload, dst, group=payload_group, tag=3 * p + 2),
-                        f"pack {p} to {dst}",
-                    )
-                )
+                send_to.setdefault(dst, []).append((p, payload))
         buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        pending: dict[int, list[Any]] = {}
+        recv_from: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for p, src in incoming:
             n_spec, n_payload = (int(x) for x in headers[p])
             spec = torch.empty(n_spec, dtype=torch.uint8)
@@ -217,11 +215,29 @@ def exchange_packs(
             works.append(
                 (dist.irecv(spec, src, group=group, tag=3 * p + 1), f"pack {p} from {src}")
             )
-            pending[p] = []
             if n_payload:
-                work = dist.irecv(payload, src, group=payload_group, tag=3 * p + 2)
+                recv_from.setdefault(src, []).append((p, payload))
+        # Payloads, peer by peer. NCCL runs one pair's operations in posting order on one
+        # stream and ignores tags: if both ends of a swap posted their send first, each send
+        # would wait for a receive queued behind the other's send. The lower rank sends first,
+        # the higher receives first; within a pair both follow the order of ``moves``.
+        pending: dict[int, list[Any]] = {p: [] for p, _ in incoming}
+
+        def post_sends(peer: int) -> list[tuple[Any, str]]:
+            return [
+                (dist.isend(t, peer, group=payload_group, tag=3 * p + 2), f"pack {p} to {peer}")
+                for p, t in send_to.get(peer, [])
+            ]
+
+        for peer in sorted(set(send_to) | set(recv_from)):
+            if rank < peer:
+                payload_works += post_sends(peer)
+            for p, t in recv_from.get(peer, []):
+                work = dist.irecv(t, peer, group=payload_group, tag=3 * p + 2)
                 pending[p].append(work)
-                payload_works.append((work, f"pack {p} from {src}"))
+                payload_works.append((work, f"pack {p} from {peer}"))
+            if rank > peer:
+                payload_works += post_sends(peer)
         _wait_all(works, deadline, timeout_s)
         _wait_all(payload_works, deadline, timeout_s, poll=on_cuda)
         received = {}

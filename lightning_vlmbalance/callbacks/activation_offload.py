@@ -82,8 +82,10 @@ class ActivationOffload(Callback):
         self.last_stats: dict[str, int] = {}  # the offloader's counters when it was closed
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit" or self.offloader is not None:
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # here, not in ``setup``: the strategy has moved the model to its device by now, so the
+        # parameters and buffers excluded are the ones the forward will use
+        if self.offloader is not None:
             return
         device = pl_module.device
         if not self.test_mode and device.type != "cuda":

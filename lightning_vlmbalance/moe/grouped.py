@@ -264,7 +264,7 @@ def grouped_mlp(
     one custom op per direction that runs the whole MLP expert by expert (cache-friendly)."""
     if act not in _ACT_FNS:
         raise ValueError(f"grouped_mlp(act={act!r}): expected one of {MLP_ACTIVATIONS}")
-    if native_grouped_mm_supported(x, w1) and w1.shape[1] % 8 == 0:
+    if native_grouped_mm_supported(x, w1) and w1.shape[1] % 8 == 0 and w2.shape[2] % 8 == 0:
         h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets)
         if b1 is not None:
             h = h + _rows_bias(b1, offsets, x.shape[0])

@@ -2,15 +2,18 @@
 
 Two module layouts are recognised:
 
-- **expert list** (the example VLM's ``MoEFeedForward``): a ``router`` ``nn.Linear``, a ``topk``
-  attribute and ``experts``, an ``nn.ModuleList`` of modules with ``up`` and ``down``
-  ``nn.Linear`` layers (GELU between). The experts' weights are stacked per forward, a copy of
-  E x (2 x H x F) elements, so that the two grouped products see one (E, in, out) tensor; the
-  parameters, and so checkpoints and optimizers, stay as they are.
+- **expert list** (the example VLM's ``MoEFeedForward``, which declares
+  ``vlmbalance_moe = {"act": "gelu", "renormalize": True}``): a bias-free ``router``
+  ``nn.Linear``, a ``topk`` attribute and ``experts``, an ``nn.ModuleList`` of modules with
+  ``up`` and ``down`` ``nn.Linear`` layers (GELU between). The experts' weights are stacked
+  per forward, a copy of E x (2 x H x F) elements, so that the grouped products see one
+  (E, out, in) tensor; the parameters, and so checkpoints and optimizers, stay as they are.
 - **fused experts** (Hugging Face transformers 5 sparse-MoE blocks such as Mixtral and Qwen3-MoE):
   an ``experts`` module with 3-D ``gate_up_proj`` (E, 2F, H) and ``down_proj`` (E, H, F) called as
-  ``experts(hidden, top_k_index, top_k_weights)``; the block's own router (with its softmax, top-k
-  and renormalisation) is kept, only the expert dispatch and compute are replaced.
+  ``experts(hidden, top_k_index, top_k_weights)`` with the default ``act(gate) * up`` gating, no
+  biases, no post-expert norm and no expert parallelism (anything else is left alone); the
+  block's own router (softmax, top-k, renormalisation) is kept, only the expert dispatch and
+  compute are replaced.
 
 Both forwards are one function shared by every layer (weights are arguments), so
 ``torch.compile`` builds one graph for all layers instead of one per layer.
@@ -126,9 +129,18 @@ class PatchedMoE:
 
 
 def _is_expert_list(m: nn.Module) -> bool:
+    """The example's ``MoEFeedForward``, or a module that opts in the same way: a class
+    attribute ``vlmbalance_moe = {"act": "gelu", "renormalize": True}`` declaring that its forward
+    is ``softmax top-k (renormalised) -> down(gelu(up(x)))`` per expert. The duck type alone is
+    not enough: a lookalike with another activation would silently change its outputs."""
+    spec = getattr(type(m), "vlmbalance_moe", None)
+    if spec != {"act": "gelu", "renormalize": True}:
+        return False
     experts = getattr(m, "experts", None)
+    router = getattr(m, "router", None)
     return (
-        isinstance(getattr(m, "router", None), nn.Linear)
+        isinstance(router, nn.Linear)
+        and router.bias is None
         and isinstance(getattr(m, "topk", None), int)
         and isinstance(experts, nn.ModuleList)
         and len(experts) > 0
@@ -148,6 +160,19 @@ def _fused_act(m: nn.Module) -> str | None:
     return act if act in _ACTIVATIONS else None
 
 
+def _default_gate(m: nn.Module) -> bool:
+    """Whether the experts gate as ``act(gate) * up`` (transformers' default ``_apply_gate``);
+    some models override it (clamps, shifted gates), and the sorted forward would change them."""
+    apply_gate = getattr(type(m), "_apply_gate", None)
+    if apply_gate is None:
+        return True
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # pragma: no cover - transformers without it has no override either
+        return True
+    return apply_gate is _default_apply_gate
+
+
 def _is_fused_experts(m: nn.Module) -> bool:
     gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
     return (
@@ -157,6 +182,10 @@ def _is_fused_experts(m: nn.Module) -> bool:
         and down.dim() == 3
         and getattr(m, "has_gate", True)
         and not getattr(m, "has_bias", False)
+        and getattr(m, "is_concatenated", True)
+        and not getattr(m, "has_post_expert_norm", False)
+        and not getattr(m, "_is_expert_parallel", False)  # ids == E mark other ranks' experts
+        and _default_gate(m)
         and _fused_act(m) is not None
     )
 

@@ -7,7 +7,8 @@ backward, when autograd asks for a saved tensor, it is brought back on a *reload
 the next ``prefetch`` tensors, in reverse order of saving (the order backward needs them), are
 started too: double buffering, so the copy of the next tensor runs while the current backward
 computes. The compute stream waits on the one event of the tensor it is about to use. A host
-buffer goes back to the pool only when its handle is gone and its reload has finished.
+buffer goes back to the pool only when its handle is gone and its reload has finished (checked
+without blocking; a buffer whose reload still runs waits in a queue).
 
 A saved tensor that is still alive on the device when backward needs it (the last layers'
 activations whose copy is still running, or a tensor someone else keeps) is used directly, with
@@ -134,6 +135,8 @@ class ActivationOffloader:
         if device is None:
             device = "cpu" if test_mode else torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0"
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type != ("cpu" if test_mode else "cuda"):
             raise ValueError(
                 f"`ActivationOffloader(device={self.device})`: expected a"
@@ -150,6 +153,7 @@ class ActivationOffloader:
         self._seq = _Sequence()
         self._by_key: dict[tuple, weakref.ref[_Handle]] = {}
         self._in_flight: deque[_Handle] = deque()  # device-to-host copies maybe still running
+        self._deferred: deque[tuple[Any, torch.Tensor]] = deque()  # (reload event, buffer)
         self._hooks: Any = None
         self.live_handles = 0
         self.counters = {"offloaded_tensors": 0, "offloaded_bytes": 0, "reloaded_tensors": 0}
@@ -205,7 +209,7 @@ class ActivationOffloader:
         if self._offload_stream is not None:
             self._offload_stream.synchronize()
             self._reload_stream.synchronize()  # type: ignore[union-attr]
-        self._retire()
+        self._retire()  # every copy has finished: returns all deferred buffers
         self.pool.clear()
 
     # -- hooks ------------------------------------------------------------------------------
@@ -279,8 +283,11 @@ class ActivationOffloader:
         return h
 
     def _retire(self) -> None:
-        """Drops the device tensors whose copy to the host has finished (FIFO on one stream)."""
+        """Drops the device tensors whose copy to the host has finished (FIFO on one stream),
+        and returns the buffers whose reload has finished to the pool."""
         with self._lock:
+            while self._deferred and self._deferred[0][0].query():
+                self.pool.give(self._deferred.popleft()[1])
             while self._in_flight and self._in_flight[0].copied.query():
                 h = self._in_flight.popleft()
                 self._check_version(h, h.src)
@@ -356,12 +363,14 @@ class ActivationOffloader:
                 self._reload(other)
 
     def _release(self, h: _Handle) -> None:
-        """A handle is gone: its host buffer returns to the pool once no stream reads it."""
+        """A handle is gone: its host buffer returns to the pool once no stream reads it (a
+        reload still running defers it; never a host wait here, on the autograd thread)."""
         with self._lock:
             self.live_handles -= 1
             if isinstance(h.reloaded, torch.cuda.Event) and not h.reloaded.query():
-                h.reloaded.synchronize()  # rare: a reload started for a handle never used
-            self.pool.give(h.buf)
+                self._deferred.append((h.reloaded, h.buf))
+            else:
+                self.pool.give(h.buf)
 
 
 def _alive(ref: weakref.ref | None) -> bool:

@@ -363,11 +363,13 @@ def _run(
             moves_global[:, 0] = draw[moves[:, 0]] if len(moves) else moves[:, 0]
             ex_ms = exchange.exchange_ms(moves_global, p.bytes, R)
             moved.append(len(moves))
-        step = _step_time(compute, objective) + overhead_ms
+        busy = _step_time(compute, objective)
+        step = busy + overhead_ms
         if strategy == "sync" and R > 1:
             exposed_ms = ex_ms
         elif strategy == "overlap" and R > 1:
-            exposed_ms = max(0.0, ex_ms - step)  # hidden behind the previous step's compute
+            # hidden behind a step's compute (the previous one's; batches are exchangeable)
+            exposed_ms = max(0.0, ex_ms - busy)
         steps.append(step + exposed_ms)
         exposed.append(exposed_ms)
         ideals.append(float(cost.sum()) / R)

@@ -234,3 +234,29 @@ def test_grouped_mlp_custom_op_matches_the_composition(gated) -> None:
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
     assert torch.equal(got_grads[1][1], torch.zeros_like(w1[1]))  # no rows: zero gradient
     torch.library.opcheck(_grouped_mlp, (x, w1, b1, w2, b2, offsets, "gelu", gated))
+
+
+def test_lookalikes_are_left_alone() -> None:
+    """Only modules whose computation is known are patched: a MoEFeedForward-shaped module that
+    does not declare it, one with a router bias, and fused experts with their own gating."""
+    torch.manual_seed(0)
+
+    class Undeclared(MoEFeedForward):
+        vlmbalance_moe = None
+
+    biased = MoEFeedForward(16, 32, experts=4, topk=2)
+    biased.router = torch.nn.Linear(16, 4, bias=True)
+    assert patch_moe_modules(Undeclared(16, 32, experts=4, topk=2)) == []
+    assert patch_moe_modules(biased) == []
+
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    class ClampedExperts(MixtralExperts):
+        def _apply_gate(self, gate_up_out):
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=1.0)) * up
+
+    cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=4)
+    assert patch_moe_modules(MixtralExperts(cfg))  # the default gating is recognised
+    assert patch_moe_modules(ClampedExperts(cfg)) == []

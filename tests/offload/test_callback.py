@@ -81,4 +81,4 @@ def test_checkpoint_mode_needs_blocks() -> None:
     module = L.LightningModule()
     module.net = model
     with pytest.raises(ValueError, match="found no blocks"):
-        cb.setup(trainer, module, "fit")
+        cb.on_fit_start(trainer, module)
