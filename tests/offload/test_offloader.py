@@ -196,13 +196,15 @@ def test_no_growth_over_1000_iterations() -> None:
         with offload_activations(off):
             loss = model(x).square().mean()
         loss.backward()
-        if i in (10, 999):
+        if i in (100, 999):
             gc.collect()
             tensors = sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
             seen.append((off.stats()["pool_bytes"], off.stats()["live_handles"], tensors))
     torch.set_num_threads(threads)
-    assert seen[0] == seen[1]
+    assert seen[0][:2] == seen[1][:2]  # pool bytes and live handles: unchanged
     assert seen[1][1] == 0
+    # live tensors: no growth (other tests' garbage may still be collected in between)
+    assert seen[1][2] <= seen[0][2]
 
 
 def test_settings_are_checked() -> None:
