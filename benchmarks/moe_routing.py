@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
     probe = torch.randn(T, H)
     loop = LoopExperts(router_w, gate_up, down, K)
     ours = SortedExperts(router_w, gate_up, down, K)
-    compiled = torch.compile(ours, fullgraph=True)
+    compiled = torch.compile(ours, fullgraph=True, backend=args.backend)
     hf = _hf_block(router_w, gate_up, down, K)
     paths = {"loop": loop, "sorted_eager": ours, "sorted_compiled": compiled}
     if hf is not None:
@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> dict:
         "hidden": H,
         "ffn": Fh,
         "threads": args.threads,
+        "backend": args.backend,
         "torch": torch.__version__,
         "loop_ms": times["loop"],
         "sorted_eager_ms": times["sorted_eager"],
@@ -173,6 +174,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=0, help="expert hidden units (default 2 x hidden)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of sorted_compiled")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", action="store_true")
