@@ -125,6 +125,8 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
     import torch.distributed as dist
 
     from lightning_vlmbalance.balance import CostModel, RebalancingLoader
+    from lightning_vlmbalance.balance.cost import FEATURES
+    from lightning_vlmbalance.callbacks.straggler_monitor import pack_features
     from lightning_vlmbalance.packing import PackingConfig, build_epoch_plan
 
     torch.set_num_threads(1)
@@ -184,21 +186,15 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
                 last_step_end = t0
                 busy = 0.0
                 step_start = step
-            m = batch["meta"]
-            feats = {
-                "total_tokens": [m["total_tokens"]],
-                "image_tokens": [m["image_tokens"]],
-                "images": [m["images"]],
-                "image_sq_tokens": [sum(v * v for v in m["image_sizes"])],
-                "doc_sq_tokens": [sum(v * v for v in m["doc_lens"])],
-            }
+            # the features StragglerMonitor records for this micro-batch, in its schema
+            record = pack_features(batch["meta"])
+            feats = {k: [record[k]] for k in FEATURES}
             phases = {k: float(v[0]) for k, v in model.predict(feats).items()}
             sleeps = {  # the GPU-bound compute of this micro-batch, phase by phase
                 "vision_fwd": phases["vision_fwd"],
                 "llm_fwd": phases["llm_fwd"],
                 "backward": phases["vision_bwd"] + phases["llm_bwd"],
             }
-            record = {k: int(v[0]) for k, v in feats.items()} | {"pack_id": m["pack_id"]}
             for phase, ms in sleeps.items():
                 start = time.perf_counter()
                 time.sleep(ms * args.time_scale / 1e3)

@@ -10,7 +10,6 @@ from lightning_vlmbalance.sim.simulate import (
     ExchangeModel,
     StepOverhead,
     closed_form_waste,
-    pack_features,
     simulate,
 )
 
@@ -20,6 +19,5 @@ __all__ = [
     "ExchangeModel",
     "StepOverhead",
     "closed_form_waste",
-    "pack_features",
     "simulate",
 ]

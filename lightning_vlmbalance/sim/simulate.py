@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
 from lightning_vlmbalance.balance.planner import plan_rebalance
-from lightning_vlmbalance.packing import PackingConfig, build_epoch_plan
+from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
 from lightning_vlmbalance.synthetic import LengthTable
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "ExchangeModel",
     "StepOverhead",
     "closed_form_waste",
-    "pack_features",
     "simulate",
 ]
 
@@ -123,31 +122,6 @@ class StepOverhead:
         return cls(float(base), float(slope))
 
 
-def pack_features(
-    packs: Sequence[np.ndarray], total: np.ndarray, image: np.ndarray, images: np.ndarray
-) -> dict[str, np.ndarray]:
-    """Cost features of packs given as arrays of sample ids (a sample's image tokens split
-    evenly over its images; each sample one document)."""
-    image_sq = np.where(images > 0, image * image // np.maximum(images, 1), 0)
-    per_sample = {
-        "total_tokens": total,
-        "image_tokens": image,
-        "images": images,
-        "image_sq_tokens": image_sq,
-        "doc_sq_tokens": total * total,
-    }
-    lengths = np.array([len(ids) for ids in packs], dtype=np.int64)
-    flat = np.concatenate(packs).astype(np.int64) if len(packs) else np.zeros(0, np.int64)
-    owner = np.repeat(np.arange(len(packs)), lengths)  # pack of each sample id in ``flat``
-    return {
-        k: np.bincount(owner, weights=v[flat], minlength=len(packs)).astype(np.int64)
-        for k, v in per_sample.items()
-    }
-
-
-_FEATURES = ("total_tokens", "image_tokens", "images", "image_sq_tokens", "doc_sq_tokens")
-
-
 def _expected_max_std_normal(n: int) -> float:
     """E[max of n standard normals] (Blom's approximation; 0 for n = 1)."""
     if n <= 1:
@@ -198,7 +172,7 @@ class _Pool:
         plan = build_epoch_plan(total, image, config, world_size=world_size, epoch=0)
         self.plan = plan
         flat = [ids for rank in plan.rank_packs for ids in rank]
-        feats = pack_features(flat, total, image, images)
+        feats = features_from_packs(Packs.from_lists(flat), total, image, images)
         self.cost_ms = cost_model.pack_cost_ms(feats)
         self.tokens = feats["total_tokens"]
         self.image_tokens = feats["image_tokens"]
