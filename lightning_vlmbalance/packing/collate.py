@@ -37,14 +37,23 @@ A ``PackedBatch`` is a plain dict (Lightning moves its tensors to the device):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "PackCollator"]
+__all__ = ["IGNORE_INDEX", "PackCollator", "PackItem"]
 
 IGNORE_INDEX = -100
+
+
+class PackItem(NamedTuple):
+    """One sample of a pack as :class:`~lightning_vlmbalance.PackedDataLoader` fetches it
+    (``sample`` is ``None`` for the placeholder of a padding pack)."""
+
+    pack_id: int
+    index: int
+    sample: Any
 
 
 class PackCollator:
@@ -88,7 +97,7 @@ class PackCollator:
     def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
         """Collates one pack.
 
-        ``items`` are sample dicts, or ``(pack_id, sample_id, sample)`` triples as produced by
+        ``items`` are sample dicts, or :class:`PackItem` triples as produced by
         :class:`~lightning_vlmbalance.PackedDataLoader` (``sample`` is ``None`` for a padding pack).
         """
         pack_id, sample_ids, samples = _unpack_items(items)
@@ -102,6 +111,7 @@ class PackCollator:
         image_positions: list[torch.Tensor] = []
         offset = 0
         for sid, sample in zip(sample_ids, samples):
+            check_sample(sample, sid)
             ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
             lab = sample.get("labels")
             # a copy: the sample's own tensors are never modified
@@ -187,12 +197,33 @@ class PackCollator:
         }
 
 
+def check_sample(sample: Any, sid: int) -> None:
+    """Raises ``ValueError`` naming sample ``sid`` if it is not a dict with the fields a pack
+    needs: ``input_ids``, and with images ``image_positions`` and ``image_sizes``."""
+    if not isinstance(sample, Mapping):
+        raise ValueError(
+            f"sample {sid} is a {type(sample).__name__}; a dataset item must be a dict with"
+            " 'input_ids' (and optional 'labels', 'pixel_values', 'image_sizes',"
+            " 'image_positions'; see lightning_vlmbalance.packing.collate)"
+        )
+    missing = [] if "input_ids" in sample else ["input_ids"]
+    pix = sample.get("pixel_values")
+    if pix is not None and len(pix):
+        missing += [k for k in ("image_sizes", "image_positions") if k not in sample]
+    if missing:
+        raise ValueError(
+            f"sample {sid} has no {', '.join(repr(k) for k in missing)} (it has"
+            f" {sorted(map(str, sample))}); a sample with 'pixel_values' also needs"
+            " 'image_sizes' and 'image_positions' (see lightning_vlmbalance.packing.collate)"
+        )
+
+
 def _unpack_items(items: Sequence[Any]) -> tuple[int, list[int], list[dict]]:
-    if items and isinstance(items[0], tuple):
-        pack_id = items[0][0]
-        if items[0][2] is None:  # a padding pack
+    if items and isinstance(items[0], PackItem):
+        pack_id = items[0].pack_id
+        if items[0].sample is None:  # a padding pack
             return pack_id, [], []
-        return pack_id, [int(i) for _, i, _ in items], [s for _, _, s in items]
+        return pack_id, [int(it.index) for it in items], [it.sample for it in items]
     return -1, list(range(len(items))), list(items)
 
 

@@ -33,7 +33,13 @@ from lightning_vlmbalance.packing.binpack import (
     packing_efficiency,
 )
 
-__all__ = ["EpochPlan", "PackingConfig", "apply_overlong_policy", "build_epoch_plan"]
+__all__ = [
+    "EpochPlan",
+    "PackingConfig",
+    "apply_overlong_policy",
+    "as_length_column",
+    "build_epoch_plan",
+]
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +204,33 @@ def _warn_once(msg: str, *args: Any) -> None:
         log.warning(msg, *args)
 
 
+def as_length_column(values: Any, column: str) -> np.ndarray:
+    """One column of a length table as ``int64``, refusing what a cast would silently change.
+
+    A NaN or infinite value, or a non-integral one (``10.7``), raises ``ValueError`` naming the
+    column and the first such sample; integral floats (``10.0``, as read from a CSV) are accepted.
+    """
+    arr = np.asarray(values)
+    if arr.dtype.kind in "iu":
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "b" or arr.dtype.kind not in "f":
+        raise ValueError(
+            f"length table column {column!r} must hold integers, got dtype {arr.dtype}"
+        )
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"sample {i} has {float(arr.flat[i])} in length table column {column!r}")
+    bad = np.flatnonzero(arr != np.round(arr))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"sample {i} has a non-integral length {float(arr.flat[i])} in length table column"
+            f" {column!r}: token counts are integers (nothing is rounded silently)"
+        )
+    return arr.astype(np.int64)
+
+
 def check_length_table(total_tokens: np.ndarray, image_tokens: np.ndarray) -> None:
     """Validates a length table; raises ``ValueError`` naming the first bad sample."""
     if total_tokens.ndim != 1 or image_tokens.shape != total_tokens.shape:
@@ -249,8 +282,8 @@ def build_epoch_plan(
         ValueError: for a bad length table, an over-long sample under ``overlong="error"``, or a
             shard too small to give every rank a sample.
     """
-    total_tokens = np.asarray(total_tokens, dtype=np.int64)
-    image_tokens = np.asarray(image_tokens, dtype=np.int64)
+    total_tokens = as_length_column(total_tokens, "total_tokens")
+    image_tokens = as_length_column(image_tokens, "image_tokens")
     check_length_table(total_tokens, image_tokens)
     if world_size < 1:
         raise ValueError(f"`world_size={world_size!r}` must be >= 1")

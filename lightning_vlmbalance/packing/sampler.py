@@ -19,8 +19,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lightning_vlmbalance.packing.collate import PackCollator
-from lightning_vlmbalance.packing.plan import PADDING, EpochPlan, PackingConfig, build_epoch_plan
+from lightning_vlmbalance.packing.collate import PackCollator, PackItem, check_sample
+from lightning_vlmbalance.packing.plan import (
+    PADDING,
+    EpochPlan,
+    PackingConfig,
+    as_length_column,
+    build_epoch_plan,
+)
 
 __all__ = ["PackedDataLoader", "PackingSampler"]
 
@@ -79,11 +85,11 @@ class PackingSampler(Sampler[list[int]]):
         packer: str = "greedy",
         image_budget: int | None = None,
     ) -> None:
-        self.total_tokens = np.asarray(total_tokens, dtype=np.int64)
+        self.total_tokens = as_length_column(total_tokens, "total_tokens")
         self.image_tokens = (
             np.zeros_like(self.total_tokens)
             if image_tokens is None
-            else np.asarray(image_tokens, dtype=np.int64)
+            else as_length_column(image_tokens, "image_tokens")
         )
         self.config = PackingConfig(
             seq_len=seq_len,
@@ -213,11 +219,12 @@ class _PackDataset(Dataset):
         self.total_tokens = sampler.total_tokens
         self.image_tokens = sampler.image_tokens
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int, dict | None]:
+    def __getitem__(self, key: tuple[int, int]) -> PackItem:
         pack_id, index = key
         if pack_id == PADDING:
-            return pack_id, -1, None
+            return PackItem(pack_id, -1, None)
         sample = self.dataset[index]
+        check_sample(sample, index)
         n = len(sample["input_ids"])
         pix = sample.get("pixel_values")
         n_image = 0 if pix is None else len(pix)
@@ -227,7 +234,7 @@ class _PackDataset(Dataset):
                 f" says {int(self.total_tokens[index])} ({int(self.image_tokens[index])}): the"
                 " length table does not match the dataset"
             )
-        return pack_id, index, sample
+        return PackItem(pack_id, index, sample)
 
     def __len__(self) -> int:
         return len(self.dataset)

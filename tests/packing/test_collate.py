@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_vlmbalance import IGNORE_INDEX, PackCollator
+from lightning_vlmbalance.packing.collate import PackItem
 
 
 def _image_sample(n_text: int, n_image: int, images: int = 1, dim: int = 3, base: int = 10):
@@ -74,7 +75,7 @@ def test_pack_without_images_has_empty_image_fields() -> None:
 
 
 def test_padding_pack() -> None:
-    batch = PackCollator(8)([(-1, -1, None)])
+    batch = PackCollator(8)([PackItem(-1, -1, None)])
     assert batch["meta"]["padding"] and batch["loss_tokens"] == 0
     assert batch["cu_seqlens"].tolist() == [0, 8]
 
@@ -89,7 +90,10 @@ def test_text_only_truncation_and_image_samples_never_cut() -> None:
 
 
 def test_overfull_pack_names_the_sample() -> None:
-    items = [(5, 11, {"input_ids": torch.arange(6)}), (5, 12, {"input_ids": torch.arange(6)})]
+    items = [
+        PackItem(5, 11, {"input_ids": torch.arange(6)}),
+        PackItem(5, 12, {"input_ids": torch.arange(6)}),
+    ]
     with pytest.raises(ValueError, match="pack 5: sample 12 \\(6 tokens\\) does not fit"):
         PackCollator(8)(items)
 
