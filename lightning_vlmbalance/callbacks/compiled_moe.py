@@ -10,7 +10,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_vlmbalance.moe import PatchedMoE, patch_moe_modules, unpatch_moe_modules
+from lightning_vlmbalance.moe import (
+    PatchedMoE,
+    patch_moe_modules,
+    unpatch_moe_modules,
+    unsupported_moe_modules,
+)
 
 __all__ = ["CompiledMoERouting"]
 
@@ -20,10 +25,14 @@ class CompiledMoERouting(Callback):
     Hugging Face transformers sparse-MoE experts such as Mixtral's and Qwen3-MoE's) and replaces
     their forward with the sorted dispatch of :mod:`lightning_vlmbalance.moe`, compiled with
     ``torch.compile``. Numerics are unchanged up to float rounding; parameters, checkpoints and
-    the optimizer are untouched. The original forwards come back at teardown.
+    the optimizer are untouched. The original forwards come back at teardown, or when fit stops
+    with an exception (Lightning skips ``teardown`` then). MoE-looking modules it cannot prove it
+    computes the same (expert biases, interleaved gate/up, their own gating, ...) are left alone
+    and named, with the reason, in a warning at setup.
 
     Every ``log_every_n_steps`` optimizer steps it logs, per MoE layer, ``moe/<layer>/lb_loss``
-    (the Switch-Transformer load-balancing loss of the last micro-batch) and
+    (the Switch-Transformer load-balancing loss of the last micro-batch, from the router's own
+    scores: softmax, or sigmoid normalised per token for DeepSeek-V3-style routers) and
     ``moe/<layer>/max_load`` (tokens of the busiest expert over the mean), and their means
     ``moe/lb_loss`` and ``moe/max_load``. The statistics are tensors produced by the dispatch
     itself; they are read only when logged.
@@ -61,12 +70,20 @@ class CompiledMoERouting(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.patched:
             return
+        skipped = unsupported_moe_modules(pl_module)
         self.patched = patch_moe_modules(pl_module, compile_kwargs=self.compile_kwargs)
-        if not self.patched:
+        if skipped:
             rank_zero_warn(
-                "CompiledMoERouting found no MoE module it knows (an expert list with a `router`"
-                " and `topk`, or Hugging Face fused experts); it does nothing"
+                f"CompiledMoERouting leaves {len(skipped)} MoE module(s) as they are (it patches"
+                " only layouts whose computation it knows):\n"
+                + "\n".join(f"  {name}: {why}" for name, why in skipped.items())
             )
+        if not self.patched:
+            if not skipped:
+                rank_zero_warn(
+                    "CompiledMoERouting found no MoE module it knows (an expert list with a"
+                    " `router` and `topk`, or Hugging Face fused experts); it does nothing"
+                )
             return
         kinds = sorted({p.kind for p in self.patched})
         rank_zero_info(
@@ -83,21 +100,34 @@ class CompiledMoERouting(Callback):
         metrics: dict[str, torch.Tensor] = {}
         losses, loads = [], []
         for p in self.patched:
-            lb = p.load_balancing_loss()
-            if lb is None or p.counts is None:
+            if p.counts is None:
                 continue
             counts = p.counts.float()
             load = counts.max() / counts.mean().clamp_min(1e-9)
-            metrics[f"moe/{p.name}/lb_loss"] = lb
             metrics[f"moe/{p.name}/max_load"] = load
-            losses.append(lb)
             loads.append(load)
-        if losses:
-            metrics["moe/lb_loss"] = torch.stack(losses).mean()
+            lb = p.load_balancing_loss()  # None when the router's scoring is unknown
+            if lb is not None:
+                metrics[f"moe/{p.name}/lb_loss"] = lb
+                losses.append(lb)
+        if loads:
             metrics["moe/max_load"] = torch.stack(loads).mean()
+            if losses:
+                metrics["moe/lb_loss"] = torch.stack(losses).mean()
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     @override
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        # Lightning skips the callbacks' teardown after an exception: restore the forwards here
+        self._restore()
+
+    @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        """Restores the original forwards (once: a second call finds nothing to restore)."""
         unpatch_moe_modules(self.patched)
         self.patched = []

@@ -1,8 +1,8 @@
 """Sort-based MoE token dispatch that compiles with ``fullgraph=True``.
 
 Framework-free core: :func:`route`, :func:`dispatch`, :func:`combine`,
-:func:`load_balancing_loss`, :func:`grouped_mlp`, :func:`grouped_mm`, and
-:func:`patch_moe_modules`; the Lightning callback is
+:func:`load_balancing_loss`, :func:`grouped_mlp`, :func:`grouped_mm`,
+:func:`patch_moe_modules` and :func:`unsupported_moe_modules`; the Lightning callback is
 :class:`~lightning_vlmbalance.callbacks.CompiledMoERouting`.
 """
 
@@ -18,6 +18,7 @@ from lightning_vlmbalance.moe.layers import (
     fused_experts_moe,
     patch_moe_modules,
     unpatch_moe_modules,
+    unsupported_moe_modules,
 )
 from lightning_vlmbalance.moe.routing import (
     SCORES,
@@ -44,4 +45,5 @@ __all__ = [
     "patch_moe_modules",
     "route",
     "unpatch_moe_modules",
+    "unsupported_moe_modules",
 ]

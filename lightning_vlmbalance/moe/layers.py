@@ -12,8 +12,11 @@ Two module layouts are recognised:
   an ``experts`` module with 3-D ``gate_up_proj`` (E, 2F, H) and ``down_proj`` (E, H, F) called as
   ``experts(hidden, top_k_index, top_k_weights)`` with the default ``act(gate) * up`` gating, no
   biases, no post-expert norm and no expert parallelism (anything else is left alone); the
-  block's own router (softmax, top-k, renormalisation) is kept, only the expert dispatch and
-  compute are replaced.
+  block's own router (softmax or sigmoid, top-k, renormalisation) is kept, only the expert
+  dispatch and compute are replaced.
+
+:func:`unsupported_moe_modules` names the modules that look like MoE layers but are left alone,
+each with the reason.
 
 Both forwards are one function shared by every layer (weights are arguments), so
 ``torch.compile`` builds one graph for all layers instead of one per layer.
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_vlmbalance.moe.grouped import grouped_mlp
-from lightning_vlmbalance.moe.routing import combine, dispatch, load_balancing_loss, route
+from lightning_vlmbalance.moe.routing import SCORES, combine, dispatch, load_balancing_loss, route
 
 __all__ = [
     "PatchedMoE",
@@ -39,6 +42,7 @@ __all__ = [
     "fused_experts_moe",
     "patch_moe_modules",
     "unpatch_moe_modules",
+    "unsupported_moe_modules",
 ]
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,30 @@ _ACTIVATIONS: dict[str, str] = {
     "relu": "relu",
     "gelu_pytorch_tanh": "gelu_tanh",
 }
+
+# what an expert-list module declares (class attribute ``vlmbalance_moe``) to be patched
+_EXPERT_LIST_SPEC: dict[str, Any] = {"act": "gelu", "renormalize": True}
+
+# 3-D expert weights of transformers fused experts, (E, out, in) or (E, in, out)
+_FUSED_WEIGHTS = ("gate_up_proj", "down_proj", "up_proj")
+
+# transformers top-k routers that score with a sigmoid (DeepSeek-V3's, and those copied from it);
+# matched by class name in a ``transformers.`` module, and only while ``forward`` is theirs.
+# Others are taken as softmax routers (Mixtral, Qwen2/3-MoE, OLMoE: transformers' default),
+# unless the router or its config declares ``scoring_func``.
+_SIGMOID_ROUTERS = frozenset(
+    {
+        "DeepseekV3TopkRouter",
+        "Dots1TopkRouter",
+        "ExaoneMoeTopkRouter",
+        "Glm4MoeTopkRouter",
+        "Glm4vMoeTextTopkRouter",
+        "KimiLinearTopkRouter",
+        "MiMoV2FlashTopkRouter",
+        "MiniMaxM2TopKRouter",
+        "SolarOpenTopkRouter",
+    }
+)
 
 
 def expert_list_moe(
@@ -112,46 +140,76 @@ class PatchedMoE:
     kind: str  # "expert_list" or "fused_experts"
     module: nn.Module
     router: nn.Module | None = None
+    score: str | None = "softmax"  # the router's scoring: "softmax", "sigmoid", None (unknown)
     counts: torch.Tensor | None = None  # tokens routed to each expert (int32, E)
     scores: torch.Tensor | None = None  # router scores (N, E), detached (expert list)
     logits: torch.Tensor | None = None  # router logits (N, E), detached (fused: from the hook)
     handles: list[Any] = field(default_factory=list)
 
     def load_balancing_loss(self) -> torch.Tensor | None:
-        """From the last forward; for fused experts from the router's logits (softmax scores,
-        as Mixtral and Qwen3-MoE route)."""
-        scores = self.scores
-        if scores is None and self.logits is not None:
-            scores = self.logits.float().softmax(dim=-1)
-        if self.counts is None or scores is None:
+        """From the last forward, with the router's own scoring: for fused experts the scores
+        are recomputed from the router's logits (softmax as Mixtral and Qwen3-MoE route, sigmoid
+        as DeepSeek-V3 routes). ``None`` before a forward, or when the scoring is unknown.
+
+        Sigmoid scores are normalised per token before the Switch formula, as in DeepSeek-V3's
+        sequence-wise balance loss (DeepSeek-V3 Technical Report, arXiv:2412.19437, Sec. 2.1.2:
+        ``s'_{i,t} = s_{i,t} / sum_j s_{j,t}``, ``P_i = mean_t s'_{i,t}``). Here the mean runs
+        over the micro-batch's tokens, and the scale stays the Switch one (``E * sum_e f_e P_e``,
+        ``K`` when balanced at top-k), so softmax and sigmoid layers read on one scale."""
+        if self.counts is None or self.score not in SCORES:
             return None
-        return load_balancing_loss(scores.float(), self.counts)
+        scores_NE = self.scores
+        if scores_NE is None and self.logits is not None:
+            logits = self.logits.float()
+            scores_NE = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
+        if scores_NE is None:
+            return None
+        scores_NE = scores_NE.float()
+        if self.score == "sigmoid":
+            scores_NE = scores_NE / scores_NE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return load_balancing_loss(scores_NE, self.counts)
+
+
+def _looks_like_expert_list(m: nn.Module) -> bool:
+    experts = getattr(m, "experts", None)
+    return isinstance(experts, nn.ModuleList) and len(experts) > 0
+
+
+def _expert_list_problems(m: nn.Module) -> list[str]:
+    """Why ``m`` (an ``experts`` ModuleList) is not patched; empty when it is. It must be the
+    example's ``MoEFeedForward``, or a module that opts in the same way: a class attribute
+    ``vlmbalance_moe = {"act": "gelu", "renormalize": True}`` declaring that its forward is
+    ``softmax top-k (renormalised) -> down(gelu(up(x)))`` per expert. The duck type alone is
+    not enough: a lookalike with another activation would silently change its outputs."""
+    problems = []
+    spec = getattr(type(m), "vlmbalance_moe", None)
+    if spec is None:
+        problems.append(
+            f"it does not declare `vlmbalance_moe = {_EXPERT_LIST_SPEC!r}` (what its forward"
+            " computes)"
+        )
+    elif spec != _EXPERT_LIST_SPEC:
+        problems.append(f"`vlmbalance_moe = {spec!r}` is not {_EXPERT_LIST_SPEC!r}")
+    router = getattr(m, "router", None)
+    if not isinstance(router, nn.Linear):
+        problems.append("its `router` is not an nn.Linear")
+    elif router.bias is not None:
+        problems.append("a router bias is not supported")
+    if not isinstance(getattr(m, "topk", None), int):
+        problems.append("it has no integer `topk`")
+    if not all(
+        isinstance(getattr(e, "up", None), nn.Linear)
+        and isinstance(getattr(e, "down", None), nn.Linear)
+        and e.up.bias is not None
+        and e.down.bias is not None
+        for e in m.experts
+    ):
+        problems.append("its experts are not `up` and `down` nn.Linear layers with biases")
+    return problems
 
 
 def _is_expert_list(m: nn.Module) -> bool:
-    """The example's ``MoEFeedForward``, or a module that opts in the same way: a class
-    attribute ``vlmbalance_moe = {"act": "gelu", "renormalize": True}`` declaring that its forward
-    is ``softmax top-k (renormalised) -> down(gelu(up(x)))`` per expert. The duck type alone is
-    not enough: a lookalike with another activation would silently change its outputs."""
-    spec = getattr(type(m), "vlmbalance_moe", None)
-    if spec != {"act": "gelu", "renormalize": True}:
-        return False
-    experts = getattr(m, "experts", None)
-    router = getattr(m, "router", None)
-    return (
-        isinstance(router, nn.Linear)
-        and router.bias is None
-        and isinstance(getattr(m, "topk", None), int)
-        and isinstance(experts, nn.ModuleList)
-        and len(experts) > 0
-        and all(
-            isinstance(getattr(e, "up", None), nn.Linear)
-            and isinstance(getattr(e, "down", None), nn.Linear)
-            and e.up.bias is not None
-            and e.down.bias is not None
-            for e in experts
-        )
-    )
+    return _looks_like_expert_list(m) and not _expert_list_problems(m)
 
 
 def _fused_act(m: nn.Module) -> str | None:
@@ -173,21 +231,86 @@ def _default_gate(m: nn.Module) -> bool:
     return apply_gate is _default_apply_gate
 
 
-def _is_fused_experts(m: nn.Module) -> bool:
+def _looks_like_fused_experts(m: nn.Module) -> bool:
+    return any(
+        isinstance(w, torch.Tensor) and w.dim() == 3
+        for w in (getattr(m, name, None) for name in _FUSED_WEIGHTS)
+    )
+
+
+def _fused_experts_problems(m: nn.Module) -> list[str]:
+    """Why ``m`` (3-D expert weights) is not patched; empty when it is."""
+    problems = []
     gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
-    return (
+    if not (
         isinstance(gate_up, torch.Tensor)
         and isinstance(down, torch.Tensor)
         and gate_up.dim() == 3
         and down.dim() == 3
-        and getattr(m, "has_gate", True)
-        and not getattr(m, "has_bias", False)
-        and getattr(m, "is_concatenated", True)
-        and not getattr(m, "has_post_expert_norm", False)
-        and not getattr(m, "_is_expert_parallel", False)  # ids == E mark other ranks' experts
-        and _default_gate(m)
-        and _fused_act(m) is not None
-    )
+    ):
+        problems.append("it has no 3-D `gate_up_proj` and `down_proj`")
+    if not getattr(m, "has_gate", True):
+        problems.append("ungated experts (`has_gate=False`) are not supported")
+    biases = [f"{w}_bias" for w in _FUSED_WEIGHTS if getattr(m, f"{w}_bias", None) is not None]
+    if biases or getattr(m, "has_bias", False):
+        problems.append(f"expert biases ({', '.join(biases) or 'has_bias=True'}) are not supported")
+    if not getattr(m, "is_concatenated", True):
+        problems.append("interleaved gate/up columns (`is_concatenated=False`) are not supported")
+    if getattr(m, "has_post_expert_norm", False):
+        problems.append("a post-expert norm is not supported")
+    if getattr(m, "_is_expert_parallel", False):  # ids == E mark other ranks' experts
+        problems.append("expert parallelism is not supported")
+    if not _default_gate(m):
+        problems.append(f"its own gating (`{type(m).__name__}._apply_gate`) is not supported")
+    if _fused_act(m) is None:
+        act = getattr(getattr(m, "config", None), "hidden_act", None)
+        problems.append(f"`config.hidden_act={act!r}` is not one of {sorted(_ACTIVATIONS)}")
+    return problems
+
+
+def _is_fused_experts(m: nn.Module) -> bool:
+    return _looks_like_fused_experts(m) and not _fused_experts_problems(m)
+
+
+def unsupported_moe_modules(root: nn.Module) -> dict[str, str]:
+    """The modules under ``root`` that look like MoE layers (an ``experts`` module list, 3-D
+    expert weights, or ``experts`` of a layout it does not know) but that
+    :func:`patch_moe_modules` leaves alone, each with the reason (``"; "``-joined)."""
+    skipped: dict[str, str] = {}
+    for name, m in root.named_modules():
+        if _looks_like_expert_list(m):
+            problems = _expert_list_problems(m)
+        elif _looks_like_fused_experts(m):
+            problems = _fused_experts_problems(m)
+        elif (
+            isinstance(getattr(m, "experts", None), nn.Module)
+            and not isinstance(m.experts, nn.ModuleList)
+            and not _looks_like_fused_experts(m.experts)
+        ):
+            problems = [f"its experts ({type(m.experts).__name__}) have a layout it does not know"]
+        else:
+            continue
+        if "forward" in m.__dict__:
+            problems.append("its forward is replaced on the instance (patched already?)")
+        if problems:
+            skipped[name or type(m).__name__] = "; ".join(problems)
+    return skipped
+
+
+def _router_score(router: nn.Module, *owners: nn.Module | None) -> str | None:
+    """The scoring function of a fused-experts block's router: a ``scoring_func`` (or
+    ``score_func``) declared by the router or the config of the router or its owners, if it is
+    one of :data:`SCORES` (else ``None``: unknown); ``"sigmoid"`` for the transformers routers in
+    ``_SIGMOID_ROUTERS``; otherwise ``"softmax"``."""
+    for obj in (router, *(getattr(o, "config", None) for o in (router, *owners))):
+        for attr in ("scoring_func", "score_func"):
+            declared = getattr(obj, attr, None)
+            if isinstance(declared, str):
+                return declared if declared in SCORES else None
+    for cls in type(router).__mro__:
+        if cls.__module__.startswith("transformers.") and cls.__name__ in _SIGMOID_ROUTERS:
+            return "sigmoid" if type(router).forward is cls.forward else None
+    return "softmax"
 
 
 def patch_moe_modules(
@@ -216,6 +339,7 @@ def patch_moe_modules(
             router = getattr(parent, "gate", None) if parent is not None else None
             if isinstance(router, nn.Module):
                 p.router = router
+                p.score = _router_score(router, m, parent)
                 p.handles.append(router.register_forward_hook(_record_router(p)))
             patched.append(p)
     return patched

@@ -1,4 +1,4 @@
-"""CompiledMoERouting in a real Trainer: the example VLM and a tiny Hugging Face Mixtral."""
+"""CompiledMoERouting in a real Trainer: the example VLM and tiny Hugging Face Mixtral/GPT-OSS."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 import torch._dynamo
 
 import lightning_vlmbalance as vb
+from examples.vlm import MoEFeedForward, ToyVLM
 from tests.cpu_fit import Float64VLM, cpu_trainer, packed_loader
 
 _VLM = {"vocab_size": 64, "patch_dim": 8, "dim": 32, "heads": 2, "moe_experts": 4, "moe_topk": 2}
@@ -71,3 +72,84 @@ def test_hugging_face_mixtral_trains_with_the_callback() -> None:
     trainer.fit(model, data)
     assert torch.isfinite(trainer.logged_metrics["loss"])
     assert "moe/model.model.layers.1.mlp.experts/lb_loss" in trainer.logged_metrics
+
+
+class FailsAtStepTwo(ToyVLM):
+    """The example VLM, raising in ``training_step`` at step 2 (after two optimizer steps)."""
+
+    patched_in_step: bool = False
+
+    def training_step(self, batch, batch_idx):
+        self.patched_in_step = all("forward" in b.ffn.__dict__ for b in self.llm.blocks)
+        if batch_idx == 2:
+            raise RuntimeError("failed on purpose at step 2")
+        return super().training_step(batch, batch_idx)
+
+
+def test_forwards_are_restored_when_fit_raises() -> None:
+    """Lightning skips callback ``teardown`` after an exception: ``on_exception`` must restore
+    the original forwards, and a later ``teardown`` must find nothing left to do."""
+    torch.manual_seed(0)
+    model = FailsAtStepTwo(**_VLM)
+    cb = vb.CompiledMoERouting(compile=False, log_every_n_steps=1)
+    trainer = cpu_trainer([cb], steps=4)
+    with pytest.raises(RuntimeError, match="failed on purpose at step 2"):
+        trainer.fit(model, packed_loader())
+    assert trainer.global_step == 2 and model.patched_in_step  # it crashed while patched
+    ffns = [b.ffn for b in model.llm.blocks]
+    assert cb.patched == []
+    for ffn in ffns:
+        assert "forward" not in ffn.__dict__
+        assert ffn.forward.__func__ is MoEFeedForward.forward
+    cb.teardown(trainer, model, "fit")  # idempotent
+    assert all(ffn.forward.__func__ is MoEFeedForward.forward for ffn in ffns)
+
+
+class TinyGptOss(L.LightningModule):
+    """GPT-OSS: fused experts with biases, interleaved gate/up and a clamped SwiGLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.GptOssConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
+        )
+        self.model = transformers.GptOssForCausalLM(cfg)
+
+
+def test_unsupported_moe_modules_are_named_with_the_reason() -> None:
+    """A model whose MoE layers it cannot prove must be told apart from one without MoE: each
+    skipped module is named with why, and the forwards stay the model's own."""
+    torch.manual_seed(0)
+    model = TinyGptOss()
+    cb = vb.CompiledMoERouting(compile=False)
+    with pytest.warns(UserWarning, match="leaves 2 MoE module") as record:
+        cb.setup(cpu_trainer([cb], steps=1), model, "fit")
+    message = next(str(w.message) for w in record if "CompiledMoERouting" in str(w.message))
+    for layer in (0, 1):
+        assert (
+            f"model.model.layers.{layer}.mlp.experts: expert biases (gate_up_proj_bias,"
+            " down_proj_bias) are not supported" in message
+        )
+    assert "interleaved gate/up columns (`is_concatenated=False`)" in message
+    assert "its own gating (`GptOssExperts._apply_gate`)" in message
+    assert "found no MoE module" not in message
+    assert cb.patched == []
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_model_without_moe_keeps_the_generic_warning() -> None:
+    model = ToyVLM(vocab_size=64, patch_dim=8, dim=32, heads=2)  # dense feed-forward
+    cb = vb.CompiledMoERouting(compile=False)
+    with pytest.warns(UserWarning, match="found no MoE module it knows"):
+        cb.setup(cpu_trainer([cb], steps=1), model, "fit")
+    assert cb.patched == []

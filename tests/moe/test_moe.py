@@ -19,6 +19,7 @@ from lightning_vlmbalance.moe import (
     patch_moe_modules,
     route,
     unpatch_moe_modules,
+    unsupported_moe_modules,
 )
 
 RTOL = 1e-5
@@ -183,7 +184,7 @@ def test_hugging_face_moe_matches(kind) -> None:
     patched = copy.deepcopy(model)
     records = patch_moe_modules(patched, compile_kwargs={"backend": "aot_eager", "fullgraph": True})
     assert [r.kind for r in records] == ["fused_experts"] * 2
-    assert all(r.router is not None for r in records)
+    assert all(r.router is not None and r.score == "softmax" for r in records)
     out = []
     for m in (model, patched):
         res = m(ids, labels=ids)
@@ -260,3 +261,99 @@ def test_lookalikes_are_left_alone() -> None:
     cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=4)
     assert patch_moe_modules(MixtralExperts(cfg))  # the default gating is recognised
     assert patch_moe_modules(ClampedExperts(cfg)) == []
+
+
+def test_unsupported_moe_modules_name_the_reason() -> None:
+    """Every MoE-looking module that is left alone is named with why; patched ones and dense
+    MLPs (2-D ``down_proj``) are not."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    class Undeclared(MoEFeedForward):
+        vlmbalance_moe = None
+
+    class ClampedExperts(MixtralExperts):
+        def _apply_gate(self, gate_up_out):
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=1.0)) * up
+
+    biased = MoEFeedForward(16, 32, experts=4, topk=2)
+    biased.router = torch.nn.Linear(16, 4, bias=True)
+    cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=4)
+    root = torch.nn.ModuleDict(
+        {
+            "ok": MoEFeedForward(16, 32, experts=4, topk=2),
+            "undeclared": Undeclared(16, 32, experts=4, topk=2),
+            "biased": biased,
+            "mixtral": MixtralExperts(cfg),
+            "clamped": ClampedExperts(cfg),
+            "dense": torch.nn.Sequential(torch.nn.Linear(16, 16)),
+        }
+    )
+    skipped = unsupported_moe_modules(root)
+    assert set(skipped) == {"undeclared", "biased", "clamped"}
+    assert "does not declare `vlmbalance_moe" in skipped["undeclared"]
+    assert skipped["biased"] == "a router bias is not supported"
+    assert skipped["clamped"] == "its own gating (`ClampedExperts._apply_gate`) is not supported"
+    assert [p.name for p in patch_moe_modules(root)] == ["ok", "mixtral"]
+    dcfg = transformers.DeepseekV3Config(
+        hidden_size=16, moe_intermediate_size=8, n_routed_experts=4, n_group=1, topk_group=1
+    )
+    assert unsupported_moe_modules(DeepseekV3MoE(dcfg)) == {}  # shared experts are dense
+
+
+def _tiny_deepseek_v3_moe():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=16,
+        moe_intermediate_size=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        experts_implementation="eager",
+    )
+    torch.manual_seed(0)
+    moe = DeepseekV3MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():  # the router starts at zero, the experts uninitialised
+            p.normal_(std=0.5)
+    return moe
+
+
+def test_sigmoid_router_load_balancing_loss_uses_its_sigmoid_scores() -> None:
+    """DeepSeek-V3's router scores with a sigmoid: ``lb_loss`` must be the Switch formula over
+    the per-token normalised sigmoid scores, not over a softmax of its logits."""
+    moe = _tiny_deepseek_v3_moe()
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        logits_NE, _, experts_NK = moe.gate(x)
+        y_ref = moe(x)
+    [p] = patch_moe_modules(moe)
+    assert p.score == "sigmoid"
+    with torch.no_grad():
+        y = moe(x)
+    assert _rel(y, y_ref) < RTOL  # the block's own routing is kept
+
+    N, E = logits_NE.shape
+    counts_E = torch.bincount(experts_NK.reshape(-1), minlength=E).float()
+    assert torch.equal(p.counts.float(), counts_E)
+    sig_NE = logits_NE.sigmoid()
+    sig_NE = sig_NE / sig_NE.sum(dim=-1, keepdim=True)
+    expected = E * (counts_E / N * sig_NE.mean(dim=0)).sum()
+    softmax = E * (counts_E / N * logits_NE.softmax(dim=-1).mean(dim=0)).sum()
+    lb = p.load_balancing_loss()
+    assert lb is not None and torch.allclose(lb, expected, rtol=1e-6)
+    assert not torch.allclose(lb, softmax, rtol=1e-3)
+
+    moe.config.scoring_func = "sqrtsoftplus"  # declared, and neither softmax nor sigmoid
+    unpatch_moe_modules([p])
+    [p] = patch_moe_modules(moe)
+    moe(x)
+    assert p.score is None and p.load_balancing_loss() is None
+    unpatch_moe_modules([p])
