@@ -58,6 +58,7 @@ class VLMDataModule(L.LightningDataModule):
             self.dataset,
             sampler,
             collate,
+            trainer=self.trainer,  # loss weights per optimizer step (strategy "ddp" needs it)
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_vlmbalance import IGNORE_INDEX, packed_attention
+from lightning_vlmbalance import packed_attention, packed_cross_entropy
 
 
 @dataclass(kw_only=True, slots=True)
@@ -169,7 +169,7 @@ class LanguageModel(nn.Module):
 
 
 class ToyVLM(L.LightningModule):
-    """The example VLM. The loss is the sum of token losses over ``global_loss_tokens``."""
+    """The example VLM. The loss is :func:`~lightning_vlmbalance.packed_cross_entropy`."""
 
     def __init__(self, **config: Any) -> None:
         super().__init__()
@@ -193,33 +193,23 @@ class ToyVLM(L.LightningModule):
             batch["pixel_values"], batch["image_cu_seqlens"], batch["image_max_seqlen"]
         )
         x_TD = self.llm.embed(input_ids_T) + self.llm.pos(position_ids_T)
-        x_TD = x_TD.index_put((batch["image_positions"],), self.projector(image_ID))
+        # under autocast the projector runs in bf16 while the embeddings stay float32
+        image_ID = self.projector(image_ID).to(x_TD.dtype)
+        x_TD = x_TD.index_put((batch["image_positions"],), image_ID)
         return self.llm(x_TD, batch["cu_seqlens"], batch["max_seqlen"])  # (T, V)
 
-    def loss_sum(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Summed token cross-entropy of the pack (float32 or wider)."""
-        logits_TV = self(batch)
-        labels_T = batch["labels"].reshape(-1)
-        logits_TV = logits_TV[:-1]
-        if logits_TV.dtype in (torch.float16, torch.bfloat16):
-            logits_TV = logits_TV.float()
-        # HF convention: position t predicts labels[t + 1]; the collator masks document starts
-        return F.cross_entropy(logits_TV, labels_T[1:], ignore_index=IGNORE_INDEX, reduction="sum")
-
     def loss(self, batch: dict[str, Any]) -> torch.Tensor:
-        """``sum / global_loss_tokens``: every token of the global batch weighs the same, wherever
-        it is computed (with DDP averaging over ranks and Lightning over micro-batches, the
-        gradient is that of the token-mean loss over the global batch, divided by ranks x
-        micro-batches; AdamW does not see the constant, SGD sees it as the learning rate)."""
-        return self.loss_sum(batch) / max(int(batch["global_loss_tokens"]), 1)
+        """The pack's summed token loss times its ``loss_weight``: the gradient of every optimizer
+        step is that of the token-mean loss over the whole global batch (see
+        :mod:`lightning_vlmbalance.loss`)."""
+        return packed_cross_entropy(self(batch), batch, module=self).loss
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        loss_sum = self.loss_sum(batch)
-        loss = loss_sum / max(int(batch["global_loss_tokens"]), 1)
-        # shown: the pack's mean token loss (comparable whatever the normalisation)
-        mean = loss_sum.detach() / max(int(batch["loss_tokens"]), 1)
-        self.log("train/loss", mean, prog_bar=True, batch_size=1)
-        return loss
+        out = packed_cross_entropy(self(batch), batch, module=self)
+        if out.mean is not None:  # a padding pack has no target: nothing to log
+            # shown: the pack's mean token loss; batch_size weighs epoch means by tokens
+            self.log("train/loss", out.mean, prog_bar=True, batch_size=out.loss_tokens)
+        return out.loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.cfg.lr)

@@ -5,6 +5,9 @@ Public API (everything else is private):
 - Packing-aware sampling: :class:`PackingSampler`, :class:`PackedDataLoader`,
   :class:`PackCollator`, :func:`pack_greedy` (see ``docs/packing.md``).
 - Packed attention: :func:`packed_attention` (see ``docs/packed_attention.md``).
+- The loss contract: :func:`packed_cross_entropy`, :class:`PackedLoss`; every batch's
+  ``loss_weight`` makes each optimizer step's gradient that of the token-mean loss over the
+  whole global batch (see ``docs/loss.md``).
 - Straggler timing: :class:`StragglerMonitor` (see ``docs/straggler_monitor.md``).
 - Activation offload: :class:`ActivationOffload` (callback), :class:`ActivationOffloader`,
   :func:`offload_activations` (see ``docs/activation_offload.md``).
@@ -20,6 +23,7 @@ Public API (everything else is private):
 from lightning_vlmbalance.attention import flash_attn_available, packed_attention
 from lightning_vlmbalance.balance import CostModel, RebalancePlan, plan_rebalance
 from lightning_vlmbalance.callbacks import ActivationOffload, CompiledMoERouting, StragglerMonitor
+from lightning_vlmbalance.loss import PackedLoss, packed_cross_entropy
 from lightning_vlmbalance.offload import ActivationOffloader, offload_activations
 from lightning_vlmbalance.packing import (
     IGNORE_INDEX,
@@ -54,6 +58,7 @@ __all__ = [
     "LengthTable",
     "PackCollator",
     "PackedDataLoader",
+    "PackedLoss",
     "PackingConfig",
     "PackingSampler",
     "Packs",
@@ -67,6 +72,7 @@ __all__ = [
     "pack_best_fit_decreasing",
     "pack_greedy",
     "packed_attention",
+    "packed_cross_entropy",
     "packing_efficiency",
     "plan_rebalance",
     "read_length_csv",

@@ -7,7 +7,10 @@
   (``micro_steps = accumulate_grad_batches``) that plans each global batch with the planner core
   and exchanges the moving packs on a dedicated gloo process group, one global batch ahead in a
   background thread (``mode="overlap"``), or in line (``"sync"``), or not at all (``"off"``:
-  only ``global_loss_tokens`` is set, the same math as the other modes);
+  only the loss weights are set, the same math as the other modes); every pack carries
+  ``loss_weight`` and ``global_loss_tokens`` for its optimizer step, so
+  :func:`~lightning_vlmbalance.packed_cross_entropy` gives the gradient of the token-mean loss
+  of the whole global batch (:mod:`lightning_vlmbalance.loss`);
 * Lightning's per-micro-batch SIGTERM-flag broadcast (a barrier at the start of every
   micro-batch under ``world_size > 1``) runs only at the first micro-batch of each optimizer
   step, so under DDP the ranks synchronise once per step and the ``"step"`` objective applies;
@@ -29,10 +32,12 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_vlmbalance.balance.cost import CostModel
@@ -111,6 +116,8 @@ class VLMBalanceStrategy(DDPStrategy):
         self._exchange_group: dist.ProcessGroup | None = None
         self._payload_group: dist.ProcessGroup | None = None
         self._gated_loop: Any = None
+        self._sigterm_connector: Any = None
+        self._sigterm_pending = False
         self._logged_batches = 0
 
     @property
@@ -151,8 +158,8 @@ class VLMBalanceStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        if not self.sigterm_every_micro_batch:
-            self._gate_sigterm_broadcast(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._own_sigterm(trainer)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -175,6 +182,9 @@ class VLMBalanceStrategy(DDPStrategy):
                     " step; make them equal (or return the plain loader)"
                 )
             dataloader = dataloader.loader
+        if hasattr(dataloader, "weigh_steps"):  # a PackedDataLoader
+            dataloader.trainer = trainer  # it needs the trainer for overfit_batches
+            dataloader.weigh_steps = False  # the RebalancingLoader weighs the steps (no 2nd sum)
         if self.rebalancing_loader is not None:  # a reload: stop the old loader's pass
             self.rebalancing_loader.close()
         self._logged_batches = 0
@@ -191,6 +201,7 @@ class VLMBalanceStrategy(DDPStrategy):
             exchange_timeout_s=self.exchange_timeout_s,
             payload_group=self._payload_group,
             device=self.root_device if self._payload_group is not None else None,
+            epoch_batches=lambda: trainer.num_training_batches,
         )
         return self.rebalancing_loader
 
@@ -216,23 +227,54 @@ class VLMBalanceStrategy(DDPStrategy):
         for key, value in values.items():
             module.log(key, float(value), rank_zero_only=True, batch_size=1)
 
-    def _gate_sigterm_broadcast(self, trainer: Any) -> None:
-        """Lightning's SIGTERM broadcast only at the first micro-batch of an optimizer step."""
+    # -- preemption (SIGTERM) -----------------------------------------------------------------
+    # Lightning's own SIGTERM handler runs a broadcast on the world group inside the signal
+    # handler, wherever the main thread was interrupted, and raises on each rank as soon as that
+    # rank saw the signal: collectives are left unpaired and ranks hang. Here the handler only
+    # sets a flag; the ranks agree on it with one all-reduce at the point where Lightning would
+    # broadcast its flag (the first micro-batch of each optimizer step), and all raise Lightning's
+    # SIGTERMException there together, after the exchange pass has been stopped and joined.
+
+    def _own_sigterm(self, trainer: Any) -> None:
+        connector = trainer._signal_connector
+        # an instance attribute shadows the bound method: Lightning's register_signal_handlers,
+        # which runs after strategy.setup, composes ours (with any user and SLURM handlers)
+        connector._sigterm_notifier_fn = self._on_sigterm
+        self._sigterm_connector = connector
+        self._sigterm_pending = False
         loop = trainer.fit_loop.epoch_loop
-        original = loop._broadcast_sigterm_tensor
         accumulate = trainer.accumulate_grad_batches
+        every_micro_batch = self.sigterm_every_micro_batch
 
-        def gated() -> None:
+        def agree_on_sigterm() -> None:
             # the micro-batch about to run has index batch_progress.current.ready
-            if loop.batch_progress.current.ready % accumulate == 0:
-                original()
+            if not every_micro_batch and loop.batch_progress.current.ready % accumulate:
+                return
+            flag = torch.tensor([int(self._sigterm_pending)], device=self.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank, same point: paired
+            if int(flag.item()):
+                connector.received_sigterm = True
+                if self.rebalancing_loader is not None:
+                    self.rebalancing_loader.close()  # the pass in progress ends on every rank
+                raise SIGTERMException()
 
-        gated.__vlmbalance__ = True  # type: ignore[attr-defined]
-        loop._broadcast_sigterm_tensor = gated
+        agree_on_sigterm.__vlmbalance__ = True  # type: ignore[attr-defined]
+        loop._broadcast_sigterm_tensor = agree_on_sigterm
         self._gated_loop = loop
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """The SIGTERM handler: no collective and no exception here, only a flag."""
+        log.info("rank %d received SIGTERM (%s)", self.global_rank, signum)
+        if self.world_size <= 1:  # alone: Lightning's own flag (it raises after the batch)
+            self._sigterm_connector.received_sigterm = True
+        else:  # agreed on by every rank at the next optimizer-step boundary
+            self._sigterm_pending = True
 
     @override
     def teardown(self) -> None:
+        connector, self._sigterm_connector = self._sigterm_connector, None
+        if connector is not None:
+            connector.__dict__.pop("_sigterm_notifier_fn", None)
         loop, self._gated_loop = self._gated_loop, None
         if loop is not None and getattr(
             loop.__dict__.get("_broadcast_sigterm_tensor"), "__vlmbalance__", False

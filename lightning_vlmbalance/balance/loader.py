@@ -10,19 +10,20 @@ same number of batches). Per global batch of ``micro_steps`` batches it:
 3. exchanges only the packs that move
    (:func:`~lightning_vlmbalance.balance.exchange.exchange_packs`);
 4. yields the batches rank ``r`` computes, micro-step by micro-step, each with
-   ``global_loss_tokens`` set to the loss tokens of the whole global batch (all ranks), so a loss
-   ``sum / global_loss_tokens`` gives the same gradients whatever the placement.
+   ``global_loss_tokens`` (the loss tokens of the whole global batch, all ranks) and
+   ``loss_weight`` set (:mod:`lightning_vlmbalance.loss`), so ``token_loss_sum * loss_weight``
+   gives the gradient of the global batch's token-mean loss whatever the placement.
 
 Modes: ``"sync"`` does 1-3 when the global batch is needed; ``"overlap"`` does them in a
 background thread one global batch ahead, so the exchange hides behind compute; ``"off"`` yields
-the batches unchanged but still sets ``global_loss_tokens`` (same math as the other modes). The
+the batches unchanged but still sets ``loss_weight`` (same math as the other modes). The
 thread is joined when the iteration ends, is closed, or fails; a failure in it is raised in the
 consumer as :class:`~lightning_vlmbalance.balance.exchange.ExchangeError` (or the original error),
 never a hang: every wait has the ``exchange_timeout_s`` deadline.
 
-The last global batch of an epoch may be shorter (``len % micro_steps`` batches on every rank,
-known to all ranks without a collective): it is rebalanced over its own micro-steps, matching
-Lightning's optimizer step at the end of an epoch.
+The last global batch of an epoch may be shorter (where ``epoch_batches`` ends it, known to all
+ranks without a collective): it is rebalanced over its own micro-steps, matching Lightning's
+optimizer step at the end of an epoch, and its weight counts only its own tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, wait_pack_ready
 from lightning_vlmbalance.balance.planner import OBJECTIVES, plan_rebalance
+from lightning_vlmbalance.loss import optimizer_steps, weigh_step
 
 __all__ = ["MODES", "RebalancingLoader", "batch_features"]
 
@@ -174,6 +176,9 @@ class RebalancingLoader:
         device: where received payloads land (default the CPU); with a CUDA device the exchange
             runs on a side stream, and when a received pack is handed out the consumer's
             current stream waits for that pack's event only.
+        epoch_batches: returns how many batches the training loop takes this epoch (Lightning's
+            ``trainer.num_training_batches``: ``len`` cut by ``limit_train_batches`` and
+            ``fast_dev_run``); the last optimizer step ends there. Default: every batch.
 
     Raises:
         ValueError: for a bad setting (naming it).
@@ -194,6 +199,7 @@ class RebalancingLoader:
         exchange_timeout_s: float = 300.0,
         payload_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
+        epoch_batches: Callable[[], float] | None = None,
     ) -> None:
         if micro_steps < 1:
             raise ValueError(f"`RebalancingLoader(micro_steps={micro_steps!r})` must be >= 1")
@@ -219,6 +225,7 @@ class RebalancingLoader:
         self.exchange_timeout_s = exchange_timeout_s
         self.payload_group = payload_group
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.epoch_batches = epoch_batches
         self._stream: Any = None  # the side CUDA stream of the exchange (created on first use)
         self._ready_events: dict[int, Any] = {}  # id(batch) -> CUDA event, until it is used
         # the last global batches' statistics (bounded: a long run must not grow), and counters
@@ -285,19 +292,15 @@ class RebalancingLoader:
     # -- iteration --------------------------------------------------------------------------
 
     def _global_batches(self) -> Iterator[list[Any]]:
-        """The inner batches, ``micro_steps`` at a time, aligned to the epoch: after a resume at
-        position ``p`` the first group is ``G - p % G`` batches; the last may be shorter."""
-        group: list[Any] = []
-        size = self.micro_steps
-        for i, batch in enumerate(self.loader):
-            if i == 0:
-                size = self.micro_steps - int(getattr(self.loader, "start", 0)) % self.micro_steps
-            group.append(batch)
-            if len(group) == size:
-                yield group
-                group, size = [], self.micro_steps
-        if group:
-            yield group
+        """The inner batches, one optimizer step at a time, aligned to the epoch: after a resume
+        at position ``p`` the first group is ``G - p % G`` batches; the last one is cut where the
+        epoch's training batches end (``epoch_batches``)."""
+        return optimizer_steps(
+            self.loader,
+            micro_steps=self.micro_steps,
+            start=lambda: int(getattr(self.loader, "start", 0)),
+            stop=self.epoch_batches,
+        )
 
     def _iter_inline(self) -> Iterator[Any]:
         for batches in self._global_batches():
@@ -314,6 +317,9 @@ class RebalancingLoader:
                 " world_size > 1: its thread's collectives must not share the world group with"
                 " the training loop"
             )
+        # an abandoned earlier pass is stopped (its thread joined) before anything of this one
+        # runs: two threads must never run collectives on the group, nor read the inner loader
+        self.close()
         batches_iter = self._global_batches()
         # the first global batch is read here, in the caller's thread: the inner loader's own
         # first-pass collectives (e.g. PackedDataLoader's plan check) stay on this thread
@@ -321,7 +327,6 @@ class RebalancingLoader:
         if first is None:
             return
         current = _Pass(self, itertools.chain([first], batches_iter))
-        self.close()
         self._pass = current
         try:
             while True:
@@ -410,6 +415,5 @@ class RebalancingLoader:
             order = [
                 mine[p] if p in mine else received[p] for p in plan.assignment[r, :, 0].tolist()
             ]
-        for b in order:
-            b["global_loss_tokens"] = global_tokens
+        weigh_step(order, global_loss_tokens=global_tokens, ranks=W, micro_steps=self.micro_steps)
         return order, stats

@@ -27,11 +27,13 @@ A ``PackedBatch`` is a plain dict (Lightning moves its tensors to the device):
 ``image_max_seqlen``      ``int``
 ``image_positions``       ``LongTensor[I]``: index in the flattened ``T`` of each image token
 ``loss_tokens``           ``int``: targets in this pack (``labels[1:] != -100``)
-``global_loss_tokens``    ``int``: targets in the whole global batch; equals ``loss_tokens``
-                          until a rebalancing loader fills it in
+``global_loss_tokens``    ``int``: targets in the whole optimizer step (all ranks); equals
+                          ``loss_tokens`` until a loader that knows the steps fills it in
+``loss_weight``           ``float``: multiply the pack's summed token loss by it (see
+                          :mod:`lightning_vlmbalance.loss`); ``1 / loss_tokens`` here
 ``meta``                  ``dict``: ``pack_id``, ``sample_ids``, ``total_tokens``,
                           ``image_tokens``, ``doc_lens``, ``images``, ``image_sizes``,
-                          ``padding``
+                          ``padding``, ``weighted_for`` (ranks, micro-steps of the weight)
 ========================  ===============================================================
 """
 
@@ -42,9 +44,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "PackCollator", "PackItem"]
+from lightning_vlmbalance.loss import IGNORE_INDEX, loss_weight
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "PackCollator", "PackItem"]
 
 
 class PackItem(NamedTuple):
@@ -184,6 +186,7 @@ class PackCollator:
             ),
             "loss_tokens": loss_tokens,
             "global_loss_tokens": loss_tokens,
+            "loss_weight": loss_weight(1, 1, loss_tokens),
             "meta": {
                 "pack_id": pack_id,
                 "sample_ids": sample_ids,
@@ -193,6 +196,7 @@ class PackCollator:
                 "images": len(image_sizes),
                 "image_sizes": image_sizes,
                 "padding": not samples,
+                "weighted_for": (1, 1),
             },
         }
 

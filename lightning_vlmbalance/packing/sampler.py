@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
+from lightning_vlmbalance.loss import gradient_ranks, optimizer_steps, weigh_step
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem, check_sample
 from lightning_vlmbalance.packing.plan import (
     PADDING,
@@ -41,7 +42,10 @@ def _dist_default(value: int | None, fn_name: str, fallback: int) -> int:
     return fallback
 
 
-class PackingSampler(Sampler[list[int]]):
+class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
+    # A SequentialSampler to Lightning: it yields its plan in a fixed order (any shuffling is the
+    # plan's own, seeded per epoch), so ``Trainer(overfit_batches=...)`` keeps it instead of
+    # trying to rebuild the loader; the loader then pins the epoch (see PackedDataLoader).
     """Yields this rank's packs (lists of sample indices) of the current epoch.
 
     Every rank computes the same plan from the length table, so every rank yields the same number
@@ -271,6 +275,16 @@ class PackedDataLoader:
         dataset: map-style dataset of samples (see :mod:`~lightning_vlmbalance.packing.collate`).
         sampler: the :class:`PackingSampler` over the dataset's length table.
         collate_fn: defaults to ``PackCollator(sampler.config.seq_len)``.
+        trainer: the Lightning ``Trainer`` this loader trains under (``self.trainer`` in a
+            ``train_dataloader`` hook). While it trains, the loader groups its packs into the
+            Trainer's optimizer steps (``accumulate_grad_batches``, and the epoch's training
+            batches after ``limit_train_batches`` / ``fast_dev_run``), sums each step's loss
+            tokens over the ranks (one small all-reduce per step) and sets ``loss_weight`` and
+            ``global_loss_tokens`` (:mod:`lightning_vlmbalance.loss`). Needed with any strategy
+            but ``"vlmbalance"`` (which does this itself) once there is more than one rank or
+            micro-step; :func:`~lightning_vlmbalance.packed_cross_entropy` says so if forgotten.
+            With ``Trainer(overfit_batches=N)`` it also trains the same packs every epoch (the
+            first ``N`` of epoch 0's plan on each rank).
         **dataloader_kwargs: passed to the inner ``DataLoader`` (``num_workers``,
             ``pin_memory``, ``persistent_workers``, ``prefetch_factor``, ...).
 
@@ -287,6 +301,8 @@ class PackedDataLoader:
         dataset: Dataset,
         sampler: PackingSampler,
         collate_fn: PackCollator | None = None,
+        *,
+        trainer: Any = None,
         **dataloader_kwargs: Any,
     ) -> None:
         if len(dataset) != len(sampler.total_tokens):
@@ -299,6 +315,9 @@ class PackedDataLoader:
                 raise ValueError(f"`PackedDataLoader({key}=...)` is decided by the PackingSampler")
         self.dataset = dataset
         self.sampler = sampler
+        self.trainer = trainer
+        # False when a wrapper weighs the optimizer steps itself (strategy "vlmbalance")
+        self.weigh_steps = trainer is not None
         self.collate_fn = collate_fn or PackCollator(sampler.config.seq_len)
         self.dataloader_kwargs = dataloader_kwargs
         self._resume_epoch: int | None = None
@@ -325,6 +344,9 @@ class PackedDataLoader:
         # The epoch and the start are read at the first ``next()``, not at ``iter()``: Lightning
         # creates the iterator before it calls ``set_epoch`` for the epoch.
         self._pending = False
+        if self._overfitting():
+            # Trainer(overfit_batches=N): the same first N packs of one plan every epoch
+            self.sampler.set_epoch(0)
         epoch, start = self.sampler.epoch, 0
         if self._resume_epoch is not None:
             if self._resume_epoch == epoch:
@@ -340,9 +362,33 @@ class PackedDataLoader:
                 collate_fn=self.collate_fn,
                 **self.dataloader_kwargs,
             )
-        for batch in self._inner:
+        batches: Iterable[dict[str, Any]] = self._inner
+        if self.weigh_steps and self.trainer is not None and self.trainer.training:
+            batches = self._weighted_steps(self.trainer, start)
+        for batch in batches:
             self._delivered += 1
             yield batch
+
+    def _overfitting(self) -> bool:
+        trainer = self.trainer
+        return trainer is not None and trainer.training and trainer.overfit_batches > 0
+
+    def _weighted_steps(self, trainer: Any, start: int) -> Iterator[dict[str, Any]]:
+        """The inner batches, one optimizer step read ahead at a time, weighted for the step."""
+        micro_steps = int(trainer.accumulate_grad_batches)
+        ranks = gradient_ranks(trainer)
+        for step in optimizer_steps(
+            self._inner,
+            micro_steps=micro_steps,
+            start=lambda: start,
+            stop=lambda: trainer.num_training_batches,
+        ):
+            local = sum(int(b["loss_tokens"]) for b in step)
+            tokens = torch.tensor([local], dtype=torch.int64, device=trainer.strategy.root_device)
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                torch.distributed.all_reduce(tokens)  # one small all-reduce per optimizer step
+            weigh_step(step, global_loss_tokens=int(tokens), ranks=ranks, micro_steps=micro_steps)
+            yield from step
 
     @property
     def start(self) -> int:

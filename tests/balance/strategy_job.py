@@ -4,8 +4,11 @@
 
 Float64, seeded: rank 0 writes ``DIR/params.pt`` (the final parameters); every rank writes
 ``DIR/rank{r}.json`` with the ``(epoch, pack_id, sample_ids)`` it trained on and the balance
-metrics it saw. With ``--strategy ddp --global-tokens`` the loader is wrapped in a
-``RebalancingLoader(mode="off")`` so that plain DDP uses the same loss normalisation.
+metrics it saw. With ``--strategy ddp`` the ``PackedDataLoader`` (given the trainer) weighs each
+optimizer step's loss itself; ``--global-tokens`` wraps it in a user-made
+``RebalancingLoader(mode="off")``.
+``--record-grads``: rank 0 writes ``DIR/grads.pt``, per optimizer step the parameters before it
+and the gradients before and after clipping.
 """
 
 from __future__ import annotations
@@ -63,19 +66,79 @@ def _fail_exchange(rank: int, at: int) -> None:
 
 
 def _count_broadcasts() -> None:
-    """Counts Lightning's SIGTERM broadcasts (a class-level wrap, under any instance gate)."""
+    """Counts the per-micro-batch sync points of the training loop: Lightning's SIGTERM-flag
+    broadcasts (a class-level wrap, under any instance gate) and the strategy's SIGTERM agreement
+    (its MAX all-reduce, which replaces that broadcast)."""
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
     original = _TrainingEpochLoop._broadcast_sigterm_tensor
+    all_reduce = dist.all_reduce
 
     def counted(self: Any) -> None:
         BROADCASTS[0] += 1
         original(self)
 
+    def counted_all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, **kw: Any) -> Any:
+        if op == dist.ReduceOp.MAX:
+            BROADCASTS[0] += 1
+        return all_reduce(tensor, op=op, **kw)
+
     _TrainingEpochLoop._broadcast_sigterm_tensor = counted
+    dist.all_reduce = counted_all_reduce
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that keeps, for every step, the parameters before it and the gradients it applies
+    (after Lightning's clipping, which runs inside the closure)."""
+
+    records: list[dict[str, Any]]
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        self.records.append(
+            {
+                "grads_post": [p.grad.detach().clone() for p in self.param_groups[0]["params"]],
+            }
+        )
+        super().step()
+        return loss
 
 
 class Job(RecordingVLM):
+    record_grads = False
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        self.weights.append(
+            (
+                self.trainer.global_step,
+                batch["meta"]["sample_ids"],
+                int(batch["loss_tokens"]),
+                int(batch["global_loss_tokens"]),
+                float(batch["loss_weight"]),
+            )
+        )
+        return super().training_step(batch, batch_idx)
+
+    def on_train_start(self) -> None:
+        self.weights: list[tuple] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.record_grads:  # before clipping; the parameters are those before the step
+            optimizer.records.append(
+                {
+                    "step": self.trainer.global_step,
+                    "params": {k: v.detach().clone() for k, v in self.named_parameters()},
+                    "grads_pre": {k: v.grad.detach().clone() for k, v in self.named_parameters()},
+                }
+            )
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if not self.record_grads:
+            return super().configure_optimizers()
+        optimizer = RecordingAdamW(self.parameters(), lr=self.cfg.lr)
+        optimizer.records = []
+        return optimizer
+
     def on_train_end(self) -> None:
         super().on_train_end()
         strategy = self.trainer.strategy
@@ -89,9 +152,16 @@ class Job(RecordingVLM):
                     "broadcasts": BROADCASTS[0],
                     "optimizer_steps": self.trainer.global_step,
                     "logged": sorted(k for k in self.trainer.callback_metrics if "balance" in k),
+                    "weights": self.weights,
                 }
             )
         )
+        if self.record_grads and self.global_rank == 0:
+            records, merged = self.trainer.optimizers[0].records, []
+            for pre, post in zip(records[0::2], records[1::2]):  # hook record, then step record
+                names = list(pre["grads_pre"])
+                merged.append({**pre, "grads_post": dict(zip(names, post["grads_post"]))})
+            torch.save(merged, Path(self.out) / "grads.pt")
         if self.global_rank == 0:
             torch.save(
                 {k: v.detach().clone() for k, v in self.state_dict().items()},
@@ -116,6 +186,16 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=None, help="this rank's exchange raises")
     p.add_argument("--fail-at", type=int, default=2, help="...at its n-th global batch")
     p.add_argument("--exchange-timeout-s", type=float, default=60.0)
+    p.add_argument("--limit-train-batches", type=int, default=None)
+    p.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
+    p.add_argument("--record-grads", action="store_true", help="rank 0 writes DIR/grads.pt")
+    p.add_argument("--precision", default="64-true")
+    p.add_argument("--overfit-batches", type=float, default=0.0)
+    p.add_argument(
+        "--all-callbacks",
+        action="store_true",
+        help="StragglerMonitor, ActivationOffload(test_mode) and CompiledMoERouting too",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     _count_broadcasts()
@@ -134,6 +214,22 @@ def main() -> None:
         if args.global_tokens
         else Data(table, seq_len, 0)
     )
+    callbacks: list[Any] = []
+    if args.checkpoint_every:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=Path(args.out) / "ckpt",
+                every_n_train_steps=args.checkpoint_every,
+                save_top_k=-1,
+                filename="{step}",
+            )
+        )
+    if args.all_callbacks:
+        callbacks += [
+            vb.StragglerMonitor(log_every_n_steps=1),
+            vb.ActivationOffload(test_mode=True),
+            vb.CompiledMoERouting(backend="aot_eager", log_every_n_steps=1),
+        ]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -141,23 +237,20 @@ def main() -> None:
         max_steps=args.max_steps,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
-        precision="64-true",
+        precision=args.precision,
         logger=False,
         enable_checkpointing=bool(args.checkpoint_every),
-        callbacks=[
-            ModelCheckpoint(
-                dirpath=Path(args.out) / "ckpt",
-                every_n_train_steps=args.checkpoint_every,
-                save_top_k=-1,
-                filename="{step}",
-            )
-        ]
-        if args.checkpoint_every
-        else [],
+        callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
+        limit_train_batches=args.limit_train_batches,
+        overfit_batches=int(args.overfit_batches)
+        if args.overfit_batches >= 1
+        else args.overfit_batches,
+        gradient_clip_val=args.clip,
     )
     model = Job(args.out, **SMALL_VLM, max_positions=seq_len)
+    model.record_grads = args.record_grads
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
 
 

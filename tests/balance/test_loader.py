@@ -184,3 +184,56 @@ def test_a_rank_failing_in_its_exchange_is_an_error_on_the_others() -> None:
     status, message = out[0]
     assert status == "ok" and message.split("s ", 1)[1].startswith("ExchangeError"), out
     assert float(message.split("s ", 1)[0]) < 5 + 5, message  # the deadline, with slack
+
+
+def _abandoned_pass_job(rank: int, world: int) -> dict:
+    import threading
+    import time
+
+    import lightning_vlmbalance.balance.loader as loader_mod
+
+    # the exchange takes a while, so the old pass's thread is inside it when the new pass begins;
+    # every global batch records how many exchange threads were alive when it started
+    exchange, started_with = loader_mod.exchange_packs, []
+
+    def slow_exchange(*args, **kwargs):
+        time.sleep(0.5)
+        return exchange(*args, **kwargs)
+
+    def counted(self, batches):
+        started_with.append(sum(t.name == "vlmbalance-exchange" for t in threading.enumerate()))
+        return rebalance(self, batches)
+
+    rebalance = RebalancingLoader._rebalance
+    loader_mod.exchange_packs = slow_exchange
+    RebalancingLoader._rebalance = counted
+    table = vb.synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
+    sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128)
+    inner = vb.PackedDataLoader(vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4), sampler)
+    loader = RebalancingLoader(
+        inner,
+        micro_steps=2,
+        world_size=world,
+        rank=rank,
+        group=torch.distributed.new_group(backend="gloo"),
+        mode="overlap",
+        exchange_timeout_s=30,
+    )
+    abandoned = iter(loader)  # kept alive, as Lightning's data fetcher keeps its iterator
+    for _ in range(3):  # mid global batch; the thread is preparing the next one
+        next(abandoned)
+    time.sleep(0.1)  # the old thread is now in its exchange of the next global batch
+    started_with.clear()
+    ids = [s for batch in loader for s in batch["meta"]["sample_ids"]]  # the new pass
+    del abandoned
+    return {"started_with": started_with, "ids": ids}
+
+
+def test_a_new_pass_stops_an_abandoned_one_before_it_starts() -> None:
+    """The new pass's first collective must not run while the old pass's thread still runs its
+    own on the same group: the old one is closed (joined) first, and the new pass is complete."""
+    out = run_ranks(_abandoned_pass_job, 2, timeout=180)
+    assert all(status == "ok" for status, _ in out.values()), out
+    for r in (0, 1):  # the new pass's first global batch is prepared in the caller's thread
+        assert max(out[r][1]["started_with"]) == 1, out[r][1]["started_with"]
+    assert sorted(out[0][1]["ids"] + out[1][1]["ids"]) == list(range(400))

@@ -42,7 +42,7 @@ def fits(tmp_path_factory) -> dict:
     every8 = ("--checkpoint-every", "8")
     return {
         "root": root,
-        "ddp": _fit(root / "ddp", "--strategy", "ddp", "--global-tokens", *EPOCH, *every8),
+        "ddp": _fit(root / "ddp", "--strategy", "ddp", *EPOCH, *every8),
         "sync": _fit(root / "sync", "--strategy", "vlmbalance", "--mode", "sync", *EPOCH),
         "overlap": _fit(
             root / "overlap", "--strategy", "vlmbalance", "--mode", "overlap", *EPOCH, *every8
@@ -109,7 +109,6 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(fits, tmp_path) -> No
         tmp_path / "ddp",
         "--strategy",
         "ddp",
-        "--global-tokens",
         *EPOCH,
         "--resume",
         str(root / "ddp" / "ckpt" / "step=8.ckpt"),
@@ -192,3 +191,51 @@ def test_loader_with_other_micro_steps_is_named(tmp_path) -> None:
     assert proc.returncode != 0
     assert "RebalancingLoader(micro_steps=3)" in proc.stderr
     assert "accumulate_grad_batches=4" in proc.stderr
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_trains_with_the_strategy_and_every_callback(tmp_path, precision) -> None:
+    """bf16 used to fail in the example VLM (the projector's bf16 output put into float32
+    embeddings); with the strategy moving packs and every callback on, it trains."""
+    run = _fit(
+        tmp_path,
+        "--strategy",
+        "vlmbalance",
+        "--precision",
+        precision,
+        "--all-callbacks",
+        "--max-steps",
+        "4",
+        "--accumulate",
+        "2",
+    )
+    assert run[0]["optimizer_steps"] == 4
+    assert all(torch.isfinite(v.float()).all() for v in run["params"].values())
+    assert sum(s["moved_packs"] for s in run[0]["stats"]) > 0
+
+
+@pytest.mark.parametrize(
+    ("strategy", "overfit", "per_epoch"), [("vlmbalance", "4", 4), ("ddp", "0.1", 8)]
+)
+def test_overfit_batches_trains_the_same_packs_every_epoch(tmp_path, strategy, overfit, per_epoch):
+    """overfit_batches used to fail ("needs to subclass torch.utils.data.DataLoader"). Now: the
+    same few packs every epoch (0.1 of 84 packs per rank = 8), each sample once per epoch."""
+    run = _fit(
+        tmp_path,
+        "--strategy",
+        strategy,
+        "--overfit-batches",
+        overfit,
+        "--epochs",
+        "3",
+        "--max-steps",
+        "-1",
+        "--accumulate",
+        "2",
+    )
+    for r in (0, 1):
+        epochs = [[ids for e, _, ids in run[r]["seen"] if e == epoch] for epoch in range(3)]
+        assert [len(packs) for packs in epochs] == [per_epoch] * 3
+        assert epochs[0] == epochs[1] == epochs[2]
+    first = [s for r in (0, 1) for e, _, ids in run[r]["seen"] if e == 0 for s in ids]
+    assert len(first) == len(set(first))  # exactly once within the overfit set

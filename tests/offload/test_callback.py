@@ -22,7 +22,7 @@ def _fit(callbacks: list, steps: int = 4, **vlm) -> tuple[ToyVLM, L.Trainer]:
     torch.manual_seed(0)
     model = Float64VLM(**{**_VLM, **vlm}).double()
     trainer = cpu_trainer(callbacks, steps, accumulate_grad_batches=2)
-    trainer.fit(model, packed_loader())
+    trainer.fit(model, packed_loader(trainer))
     return model, trainer
 
 

@@ -66,6 +66,7 @@ class Data(L.LightningDataModule):
             ds,
             sampler,
             vb.PackCollator(self.seq_len, image_feature_shape=(8,)),
+            trainer=self.trainer,  # weighs each optimizer step's loss (any strategy)
             num_workers=self.num_workers,
         )
 
