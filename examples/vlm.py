@@ -82,7 +82,7 @@ class MoEFeedForward(nn.Module):
             token, slot = torch.where(expert_TK == e)
             # run even with no token so every expert is in the graph (DDP needs every parameter)
             y = expert(x_TD[token]) * weight_TK[token, slot, None]
-            out_TD = out_TD.index_add(0, token, y)
+            out_TD = out_TD.index_add(0, token, y.to(out_TD.dtype))  # bf16 under autocast
         return out_TD
 
 

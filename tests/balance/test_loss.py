@@ -17,6 +17,7 @@ import torch
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
+from lightning_vlmbalance.packing.collate import PackItem
 from tests.launch import run_module
 from tests.packing.lightning_job import SMALL_VLM
 
@@ -140,3 +141,21 @@ def test_forgotten_trainer_is_named_not_silent(tmp_path) -> None:
     trainer = cpu_trainer([], steps=2, accumulate_grad_batches=2)
     with pytest.raises(ValueError, match=r"PackedDataLoader\(\.\.\., trainer=self.trainer\)"):
         trainer.fit(ToyVLM(**SMALL_VLM, max_positions=SEQ_LEN), packed_loader())
+
+
+def test_padding_pack_is_not_logged_as_a_loss() -> None:
+    """Under plain DDP rank 0's last logged train/loss was 0.0: a padding pack (no target)."""
+    logged: list[float] = []
+
+    class Recording(ToyVLM):
+        def log(self, name, value, *args, **kwargs):
+            logged.append(float(value))
+
+    model = Recording(**SMALL_VLM, max_positions=SEQ_LEN)
+    collate = vb.PackCollator(SEQ_LEN, image_feature_shape=(8,))
+    padding = collate([PackItem(-1, -1, None)])
+    assert vb.packed_cross_entropy(model(padding), padding).mean is None
+    loss = model.training_step(padding, 0)
+    assert logged == [] and float(loss) == 0.0
+    model.training_step(collate([_dataset()[0]]), 1)
+    assert len(logged) == 1 and logged[0] > 0
