@@ -1,0 +1,91 @@
+"""SIGTERM stops a 2-process ``strategy="vlmbalance"`` fit, on every rank, through Lightning.
+
+SLURM and Kubernetes preempt a job by sending SIGTERM to every rank at once (or, with Lightning's
+launcher, to rank 0, which forwards it to rank 1). Whatever the rebalancing mode and wherever the
+signal lands (mid-micro-batch, mid-exchange, between optimizer steps), every rank must:
+
+- leave ``trainer.fit`` through Lightning's ``SIGTERMException`` (``Callback.on_exception`` sees
+  it), not through an error of a collective its peer abandoned;
+- have joined the ``vlmbalance-exchange`` thread by the time the interpreter exits;
+- be gone within 10 s of the signal. This is a hang bound, not a performance figure: a hung
+  rank otherwise stays until a collective's timeout (30 min by default), and the scheduler's
+  grace period before SIGKILL is typically 30 s. Timings are measured by
+  ``benchmarks/preemption.py``.
+
+Each case launches ``tests.balance.preempt_job`` (about 10 s to start on 2 CPU cores) and sends
+the signal after a seeded random delay of 0-2 s once both ranks train.
+``VLMBALANCE_PREEMPT_TRIALS=N`` runs N trials per case (delays stratified over 0-2 s).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+from typing import Any
+
+import pytest
+
+from tests.balance.preempt_job import (
+    EXCHANGE_THREAD,
+    RANKS,
+    TARGETS,
+    exchange_thread_left,
+    run_trial,
+)
+
+STOP_BOUND_S = 10.0
+CAP_S = STOP_BOUND_S + 2.0  # then the trial's stacks are dumped and its processes killed
+MAX_DELAY_S = 2.0
+TRIALS = int(os.environ.get("VLMBALANCE_PREEMPT_TRIALS", "1"))
+
+
+def signal_delays(seed: int, trials: int, max_delay_s: float = MAX_DELAY_S) -> list[float]:
+    """``trials`` delays, one uniform draw in each of ``trials`` equal slices of [0, max)."""
+    rng = random.Random(seed)
+    return [(i + rng.random()) * max_delay_s / trials for i in range(trials)]
+
+
+def _problems(res: dict[str, Any]) -> list[str]:
+    """What a trial did wrong, each as one line (with the stacks of a hung rank)."""
+    where = f"delay {res['delay_s']} s, batches at signal {res['batches_at_signal']}"
+    problems = []
+    for r in RANKS:
+        stop = res["stop_s"][r]
+        if stop is None:  # its stacks follow; no exception or exit file yet, of course
+            problems.append(f"rank {r} hung: still alive {CAP_S} s after SIGTERM")
+            continue
+        if stop > STOP_BOUND_S:
+            problems.append(f"rank {r} exited {stop} s after SIGTERM (bound {STOP_BOUND_S} s)")
+        exception = res["exceptions"][r]
+        if exception is None or not exception["sigterm"]:
+            kind = exception and f"{exception['type']} raised at {exception['raised_at'][-1]}"
+            problems.append(f"rank {r} left fit with {kind}, expected SIGTERMException")
+        if res["exits"][r] is None:
+            problems.append(f"rank {r} wrote no exit file (killed?)")
+    if exchange_thread_left(res):
+        problems.append(f"a {EXCHANGE_THREAD!r} thread was alive at exit: {res['exits']}")
+    message = [f"  {p} ({where})" for p in problems]
+    for r, stack in res.get("main_stacks", {}).items():
+        message.append(f"  main thread of hung rank {r}:\n{stack}")
+    return message
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("mode", ["overlap", "sync", "off"])
+def test_sigterm_stops_every_rank(tmp_path, mode: str, target: str) -> None:
+    """SIGTERM (to both ranks, or to rank 0 only) ends every rank via SIGTERMException in 10 s."""
+    seed = zlib.crc32(f"{mode}-{target}".encode())
+    failures = []
+    for i, delay_s in enumerate(signal_delays(seed, TRIALS)):
+        res = run_trial(
+            tmp_path / f"trial{i}",
+            strategy="vlmbalance",
+            mode=mode,
+            target=target,
+            delay_s=delay_s,
+            cap_s=CAP_S,
+        )
+        if problems := _problems(res):
+            failures.append(f"trial {i}:\n" + "\n".join(problems))
+    assert not failures, "\n".join(failures)
