@@ -14,14 +14,23 @@ Public API (everything else is private):
 - MoE routing: :class:`CompiledMoERouting` (callback); the core in
   ``lightning_vlmbalance.moe`` (see ``docs/moe_routing.md``).
 - Rebalancing: ``Trainer(strategy="vlmbalance")`` / :class:`VLMBalanceStrategy` (importing
-  the package registers the names); the core: :class:`CostModel`, :func:`plan_rebalance`,
-  :class:`RebalancePlan` (see ``docs/rebalancing.md``).
+  the package registers the names), its options :class:`RebalanceConfig`, the component a
+  strategy owns :class:`Rebalancer`, the loader :class:`RebalancingLoader` (users may wrap their
+  loader in it) and the error it raises, :class:`ExchangeError`; the core: :class:`CostModel`,
+  :func:`plan_rebalance`, :class:`RebalancePlan` (see ``docs/rebalancing.md``).
 - Synthetic data for examples and tests: :func:`synthetic_length_table`,
   :class:`SyntheticVLMDataset`, :func:`read_length_csv`.
 """
 
 from lightning_vlmbalance.attention import flash_attn_available, packed_attention
-from lightning_vlmbalance.balance import CostModel, RebalancePlan, plan_rebalance
+from lightning_vlmbalance.balance import (
+    CostModel,
+    ExchangeError,
+    RebalanceConfig,
+    RebalancePlan,
+    RebalancingLoader,
+    plan_rebalance,
+)
 from lightning_vlmbalance.callbacks import ActivationOffload, CompiledMoERouting, StragglerMonitor
 from lightning_vlmbalance.loss import PackedLoss, packed_cross_entropy
 from lightning_vlmbalance.offload import ActivationOffloader, offload_activations
@@ -38,7 +47,7 @@ from lightning_vlmbalance.packing import (
     pack_greedy,
     packing_efficiency,
 )
-from lightning_vlmbalance.strategy import VLMBalanceStrategy
+from lightning_vlmbalance.strategy import Rebalancer, VLMBalanceStrategy
 from lightning_vlmbalance.synthetic import (
     LengthTable,
     SyntheticVLMDataset,
@@ -55,6 +64,7 @@ __all__ = [
     "CompiledMoERouting",
     "CostModel",
     "EpochPlan",
+    "ExchangeError",
     "LengthTable",
     "PackCollator",
     "PackedDataLoader",
@@ -62,7 +72,10 @@ __all__ = [
     "PackingConfig",
     "PackingSampler",
     "Packs",
+    "RebalanceConfig",
     "RebalancePlan",
+    "Rebalancer",
+    "RebalancingLoader",
     "StragglerMonitor",
     "SyntheticVLMDataset",
     "VLMBalanceStrategy",

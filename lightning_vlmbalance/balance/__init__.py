@@ -1,10 +1,12 @@
 """Cross-rank rebalancing: cost model and planner (numpy), pack exchange and loader (torch)."""
 
+from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import (
     FEATURES,
     PHASES,
     CostModel,
     FitReport,
+    features_from_meta,
     features_from_packs,
     nnls,
     read_monitor_jsonl,
@@ -20,14 +22,17 @@ from lightning_vlmbalance.balance.planner import (
 
 __all__ = [
     "FEATURES",
+    "MODES",
     "OBJECTIVES",
     "PHASES",
     "CostModel",
     "ExchangeError",
     "FitReport",
+    "RebalanceConfig",
     "RebalancePlan",
     "RebalancingLoader",
     "exchange_packs",
+    "features_from_meta",
     "features_from_packs",
     "naive_moved_packs",
     "nnls",

@@ -39,6 +39,7 @@ __all__ = [
     "PHASES",
     "CostModel",
     "FitReport",
+    "features_from_meta",
     "features_from_packs",
     "nnls",
     "read_monitor_jsonl",
@@ -389,6 +390,31 @@ def read_monitor_jsonl(path: str | Path) -> list[dict[str, Any]]:
                     raise ValueError(f"{f}:{lineno}: expected a JSON object")
                 records.extend(step.get("micro", []))
     return records
+
+
+_META_KEYS = ("total_tokens", "image_tokens", "images", "doc_lens", "image_sizes")
+
+
+def features_from_meta(meta: Mapping[str, Any]) -> dict[str, int]:
+    """The cost features (:data:`FEATURES`, python ints: no device sync) of one packed batch
+    from its ``meta`` (as :class:`~lightning_vlmbalance.PackCollator` builds it).
+
+    Raises:
+        ValueError: naming the first missing ``meta`` key.
+    """
+    missing = [k for k in _META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(
+            f"the cost features need batch['meta'][{missing[0]!r}] (missing: {missing}); build"
+            " batches with PackCollator"
+        )
+    return {
+        "total_tokens": int(meta["total_tokens"]),
+        "image_tokens": int(meta["image_tokens"]),
+        "images": int(meta["images"]),
+        "image_sq_tokens": sum(int(n) * int(n) for n in meta["image_sizes"]),
+        "doc_sq_tokens": sum(int(n) * int(n) for n in meta["doc_lens"]),
+    }
 
 
 def features_from_packs(

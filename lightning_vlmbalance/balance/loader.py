@@ -41,18 +41,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
+from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from_meta
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, wait_pack_ready
-from lightning_vlmbalance.balance.planner import OBJECTIVES, plan_rebalance
+from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import optimizer_steps, weigh_step
 
-__all__ = ["MODES", "RebalancingLoader", "batch_features"]
+__all__ = ["MODES", "RebalancingLoader"]
 
 log = logging.getLogger(__name__)
 
-MODES: tuple[str, ...] = ("overlap", "sync", "off")
-# per-pack integers gathered: the cost-model features, then the loss tokens
-_FIELDS = ("total_tokens", "image_tokens", "images", "image_sq_tokens", "doc_sq_tokens")
 _END = object()
 _STATS_KEPT = 1000
 EXCHANGE_THREAD = "vlmbalance-exchange"
@@ -124,13 +122,13 @@ class _Pass:
             log.warning("the vlmbalance exchange thread did not stop; it is a daemon thread")
 
 
-def batch_features(batch: Any) -> list[int]:
-    """The integers the planner needs from one packed batch: cost features and loss tokens.
+def _batch_features(batch: Any) -> list[int]:
+    """The integers the planner needs from one packed batch: the cost features (in
+    :data:`~lightning_vlmbalance.balance.cost.FEATURES` order), then the loss tokens.
 
     Raises:
-        ValueError: if the batch is not a ``PackedBatch``-like dict with ``meta`` holding
-            ``total_tokens``, ``image_tokens``, ``images``, ``doc_lens`` and ``image_sizes``, and
-            a ``loss_tokens`` field; names what is missing.
+        ValueError: if the batch is not a ``PackedBatch``-like dict with ``meta`` and
+            ``loss_tokens``, or ``meta`` lacks a feature's key; names what is missing.
     """
     if not isinstance(batch, dict) or "meta" not in batch or "loss_tokens" not in batch:
         have = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
@@ -138,25 +136,8 @@ def batch_features(batch: Any) -> list[int]:
             "rebalancing needs packed batches (a dict with 'meta' and 'loss_tokens', as"
             f" PackCollator builds them); got {have}"
         )
-    meta = batch["meta"]
-    missing = [
-        k
-        for k in ("total_tokens", "image_tokens", "images", "doc_lens", "image_sizes")
-        if k not in meta
-    ]
-    if missing:
-        raise ValueError(
-            f"rebalancing needs batch['meta'][{missing[0]!r}] (missing: {missing}); build"
-            " batches with PackCollator"
-        )
-    return [
-        int(meta["total_tokens"]),
-        int(meta["image_tokens"]),
-        int(meta["images"]),
-        int(sum(int(n) * int(n) for n in meta["image_sizes"])),
-        int(sum(int(n) * int(n) for n in meta["doc_lens"])),
-        int(batch["loss_tokens"]),
-    ]
+    features = features_from_meta(batch["meta"])
+    return [features[name] for name in FEATURES] + [int(batch["loss_tokens"])]
 
 
 class RebalancingLoader:
@@ -168,10 +149,10 @@ class RebalancingLoader:
         world_size: ranks in ``group``; ``rank``: this rank in it.
         group: process group for the feature gather and the exchange (``None``: the world).
         cost_model: pack cost model (default :class:`CostModel`).
-        objective: ``"microstep"``, ``"step"`` or ``"both"``.
-        tolerance: planner tolerance.
-        mode: ``"overlap"``, ``"sync"`` or ``"off"``.
-        exchange_timeout_s: deadline of every wait for a peer or for the background thread.
+        config: mode, objective, tolerance, exchange timeout
+            (:class:`~lightning_vlmbalance.balance.config.RebalanceConfig`; ``objective="auto"``
+            means ``"microstep"`` here: the loader cannot know how often the ranks meet).
+        **options: the same as keyword arguments instead of ``config`` (``mode="sync"``, ...).
         payload_group: group for the pack payloads (default ``group``); on GPUs an NCCL group.
         device: where received payloads land (default the CPU); with a CUDA device the exchange
             runs on a side stream, and when a received pack is handed out the consumer's
@@ -193,36 +174,24 @@ class RebalancingLoader:
         rank: int,
         group: dist.ProcessGroup | None = None,
         cost_model: CostModel | None = None,
-        objective: str = "microstep",
-        tolerance: float = 0.0,
-        mode: str = "overlap",
-        exchange_timeout_s: float = 300.0,
+        config: RebalanceConfig | None = None,
         payload_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         epoch_batches: Callable[[], float] | None = None,
+        **options: Any,
     ) -> None:
         if micro_steps < 1:
             raise ValueError(f"`RebalancingLoader(micro_steps={micro_steps!r})` must be >= 1")
-        if mode not in MODES:
-            raise ValueError(f"`RebalancingLoader(mode={mode!r})`: expected one of {MODES}")
-        if objective not in OBJECTIVES:
-            raise ValueError(
-                f"`RebalancingLoader(objective={objective!r})`: expected one of {OBJECTIVES}"
-            )
-        if not exchange_timeout_s > 0:
-            raise ValueError(
-                f"`RebalancingLoader(exchange_timeout_s={exchange_timeout_s!r})` must be > 0"
-            )
+        if config is not None and options:
+            raise ValueError(f"`RebalancingLoader(config=..., {', '.join(options)}=...)`: not both")
+        config = config if config is not None else RebalanceConfig(**options)
+        self.config = config.resolved(sync_every_micro_batch=True)
         self.loader = loader
         self.micro_steps = micro_steps
         self.world_size = world_size
         self.rank = rank
         self.group = group
         self.cost_model = cost_model or CostModel()
-        self.objective = objective
-        self.tolerance = tolerance
-        self.mode = mode
-        self.exchange_timeout_s = exchange_timeout_s
         self.payload_group = payload_group
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.epoch_batches = epoch_batches
@@ -239,6 +208,14 @@ class RebalancingLoader:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def exchange_timeout_s(self) -> float:
+        return self.config.exchange_timeout_s
 
     # Lightning checkpoints: the inner loader's state, at the position *yielded* so far (the
     # inner loader runs ahead by up to two global batches in "overlap" mode). Checkpoints taken
@@ -362,7 +339,7 @@ class RebalancingLoader:
 
     def _rebalance(self, batches: list[Any]) -> tuple[list[Any], dict[str, float]]:
         G, W, r = len(batches), self.world_size, self.rank
-        local = torch.tensor([batch_features(b) for b in batches], dtype=torch.int64)  # (G, F)
+        local = torch.tensor([_batch_features(b) for b in batches], dtype=torch.int64)  # (G, F)
         if W > 1:
             gathered = [torch.empty_like(local) for _ in range(W)]
             try:
@@ -382,11 +359,16 @@ class RebalancingLoader:
             plan = None
         else:
             cost = self.cost_model.pack_cost_us(
-                {name: features[:, i] for i, name in enumerate(_FIELDS)}
+                {name: features[:, i] for i, name in enumerate(FEATURES)}
             )
             origin = np.repeat(np.arange(W, dtype=np.int64), G)
             plan = plan_rebalance(
-                cost, origin, W, G, objective=self.objective, tolerance=self.tolerance
+                cost,
+                origin,
+                W,
+                G,
+                objective=self.config.objective,
+                tolerance=self.config.tolerance,
             )
             mine = {r * G + m: b for m, b in enumerate(batches)}
             events: dict[int, Any] = {}

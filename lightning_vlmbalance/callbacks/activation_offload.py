@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 _BLOCK_LISTS = ("blocks", "layers", "h", "layer")
 
 
-def find_blocks(module: nn.Module) -> list[nn.Module]:
+def _find_blocks(module: nn.Module) -> list[nn.Module]:
     """The transformer blocks: children of every ``nn.ModuleList`` named ``blocks``, ``layers``,
     ``h`` or ``layer`` (ViT/GPT/Llama/BERT conventions), in module order."""
     found: list[nn.Module] = []
@@ -46,7 +46,7 @@ class ActivationOffload(Callback):
         min_bytes: smaller tensors stay on the device.
         prefetch: tensors reloaded ahead during backward (2: double buffering).
         blocks: for ``"checkpoint"`` mode: the block modules, or ``None`` to find them
-            (:func:`find_blocks`).
+            (:func:`_find_blocks`).
         test_mode: run the hooks on the CPU (synchronous copies): for tests, not for speed.
         log_every_n_steps: logs ``offload/*`` counters (host-side integers, no device sync).
 
@@ -103,7 +103,7 @@ class ActivationOffload(Callback):
             exclude=[*pl_module.parameters(), *pl_module.buffers()],
         )
         if self.mode == "checkpoint":
-            blocks = self.blocks if self.blocks is not None else find_blocks(pl_module)
+            blocks = self.blocks if self.blocks is not None else _find_blocks(pl_module)
             if not blocks:
                 raise ValueError(
                     "`ActivationOffload(mode='checkpoint')` found no blocks (children of a"

@@ -18,13 +18,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_vlmbalance import _lightning as seam
+from lightning_vlmbalance.balance.cost import features_from_meta
 from lightning_vlmbalance.timing import (
     PHASES,
     ResolvedStep,
     StepTimer,
+    custom_scalars_layout,
+    per_rank_metrics,
     stats_from_waits,
-    straggler_stats,
     timed_comm_hook,
+    window_row,
 )
 
 __all__ = ["StragglerMonitor"]
@@ -41,7 +45,6 @@ _VISION_NAMES = (
     "vit",
 )
 _LLM_NAMES = ("llm", "language_model", "text_model", "lm", "decoder")
-_SERIES = (*PHASES, "step")
 
 
 class StragglerMonitor(Callback):
@@ -104,7 +107,7 @@ class StragglerMonitor(Callback):
         self.jsonl_path: Path | None = None
         self._file: Any = None
         self._handles: list[Any] = []
-        self._patched: list[tuple[Any, str]] = []
+        self._seam_trainer: L.Trainer | None = None
         self._restore_hook: tuple[DDPStrategy, Any] | None = None
         self._window: list[ResolvedStep] = []
         self._last_step = 0
@@ -126,10 +129,9 @@ class StragglerMonitor(Callback):
         if isinstance(strategy, DDPStrategy) and strategy.root_device.type == "cuda":
             # Lightning registers the strategy's comm hook on CUDA in strategy.setup(), which
             # runs after this hook: wrap the user's hook (or the default) in place
-            self._restore_hook = (strategy, strategy._ddp_comm_hook)
-            strategy._ddp_comm_hook = timed_comm_hook(
-                self.timer.mark_sync_entry, strategy._ddp_comm_hook
-            )
+            user_hook = seam.ddp_comm_hook(strategy)
+            self._restore_hook = (strategy, user_hook)
+            seam.set_ddp_comm_hook(strategy, timed_comm_hook(self.timer.mark_sync_entry, user_hook))
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -163,7 +165,7 @@ class StragglerMonitor(Callback):
 
         def pre(mod: nn.Module, args: Any) -> None:
             # not during validation, nor a recomputation inside backward (checkpointing)
-            if trainer.training and torch._C._current_graph_task_id() == -1:
+            if trainer.training and not seam.in_backward():
                 timer.start(phase)
 
         def post(mod: nn.Module, args: Any, out: Any) -> None:
@@ -173,42 +175,29 @@ class StragglerMonitor(Callback):
         self._handles.append(module.register_forward_hook(post))
 
     def _patch_loop(self, trainer: L.Trainer) -> None:
-        """Times Lightning's data fetch and its per-micro-batch SIGTERM broadcast."""
-        loop = trainer.fit_loop.epoch_loop
+        """Times Lightning's data fetch and its per-micro-batch sync point (the SIGTERM-flag
+        broadcast, or the strategy's replacement of it)."""
         timer = self.timer
-        before, after = loop._on_before_fetch, loop._on_after_fetch
-        broadcast = loop._broadcast_sigterm_tensor
 
-        def on_before_fetch() -> None:
-            before()
-            timer.start("data", host=True)
-
-        def on_after_fetch() -> None:
-            timer.stop("data")
-            after()
-
-        def timed_broadcast() -> None:
+        def timed_sync_point(sync: Any) -> None:
             if not timer.step_open:
-                # the step's first broadcast: it waits for whatever ranks did between steps
+                # the step's first sync point: it waits for whatever ranks did between steps
                 t0 = time.perf_counter()
                 try:
-                    broadcast()
+                    sync()
                 finally:
                     timer.between_steps((time.perf_counter() - t0) * 1e3)
                 return
             timer.start("lightning_sync", host=True)
             try:
-                broadcast()
+                sync()
             finally:
                 timer.stop("lightning_sync")
 
-        for name, fn in (
-            ("_on_before_fetch", on_before_fetch),
-            ("_on_after_fetch", on_after_fetch),
-            ("_broadcast_sigterm_tensor", timed_broadcast),
-        ):
-            setattr(loop, name, fn)  # instance attributes shadow the methods until teardown
-            self._patched.append((loop, name))
+        loop = seam.loop_seam(trainer)
+        loop.on_fetch(self, lambda: timer.start("data", host=True), lambda: timer.stop("data"))
+        loop.wrap_sync_point(self, timed_sync_point)
+        self._seam_trainer = trainer
 
     def _register_cpu_comm_hook(self, trainer: L.Trainer) -> None:
         strategy, model = trainer.strategy, trainer.strategy.model
@@ -248,7 +237,7 @@ class StragglerMonitor(Callback):
     ) -> None:
         meta = batch.get("meta") if isinstance(batch, dict) else None
         if isinstance(meta, dict):
-            self.timer.set_features(pack_features(meta))
+            self.timer.set_features(_pack_features(meta))
 
     @override
     def on_before_backward(
@@ -319,12 +308,11 @@ class StragglerMonitor(Callback):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for obj, name in self._patched:
-            obj.__dict__.pop(name, None)
-        self._patched.clear()
+        if self._seam_trainer is not None:
+            seam.leave_loop_seam(self._seam_trainer, self)
+            self._seam_trainer = None
         if self._restore_hook is not None:
-            strategy, hook = self._restore_hook
-            strategy._ddp_comm_hook = hook
+            seam.set_ddp_comm_hook(*self._restore_hook)
             self._restore_hook = None
         if self._file is not None:
             self._file.close()
@@ -350,14 +338,11 @@ class StragglerMonitor(Callback):
     def _gather_and_log(self, trainer: L.Trainer) -> None:
         self._collect(trainer)
         self._file.flush()
-        n = len(self._window)
-        sums = np.zeros(len(_SERIES) + 1)
-        sums[0] = n
-        for step in self._window:
-            sums[1:-1] += [step.phases_ms[p] for p in PHASES]
-            sums[-1] += step.step_ms
+        row = torch.tensor(window_row(self._window), dtype=torch.float64)
         self._window.clear()
-        table = _all_gather_rows(sums, trainer.strategy.root_device)  # (R, 1 + phases + step)
+        # one small all-gather through the strategy (the only collective the monitor adds)
+        gathered = trainer.strategy.all_gather(row.to(trainer.strategy.root_device))
+        table = gathered.reshape(-1, row.numel()).cpu().numpy()  # (R, 1 + len(SERIES))
         counts = table[:, 0]
         self.steps_timed += int(counts.min())
         self.total_step_ms += table[:, -1]
@@ -365,15 +350,7 @@ class StragglerMonitor(Callback):
         self.total_wait_ms += table[:, 1 + PHASES.index("lightning_sync")]
         if not trainer.is_global_zero or counts.min() == 0:
             return
-        means = table[:, 1:] / counts[:, None]
-        stats = straggler_stats(means[:, :-1], means[:, -1])
-        metrics: dict[str, float] = {}
-        for r in range(len(means)):
-            for k, series in enumerate(_SERIES):
-                metrics[f"straggler/{series}_ms/rank_{r}"] = float(means[r, k])
-        metrics["straggler/waste_frac"] = stats.waste_frac
-        metrics["straggler/worst_rank"] = float(stats.worst_rank)
-        metrics["straggler/max_over_median"] = stats.max_over_median
+        metrics = per_rank_metrics(table)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -407,48 +384,6 @@ class StragglerMonitor(Callback):
         self.steps_timed = int(state_dict["steps_timed"])
 
 
-def _all_gather_rows(row: np.ndarray, device: torch.device) -> np.ndarray:
-    """One small all-gather of a float64 row from every rank (the only collective we add)."""
-    t = torch.tensor(row, dtype=torch.float64, device=device)
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return row[None, :]
-    out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(out, t)
-    return torch.stack(out).cpu().numpy()
-
-
-def custom_scalars_layout() -> dict[str, dict[str, list]]:
-    """TensorBoard layout: one multi-line chart per phase (a line per rank), the summary, and
-    the ``balance/*`` metrics of the ``"vlmbalance"`` strategy next to them (empty without it)."""
-    per_rank = {f"{s}_ms": ["Multiline", [rf"straggler/{s}_ms/rank_\d+"]] for s in _SERIES}
-    summary = {
-        k: ["Multiline", [rf"straggler/{k}$"]]
-        for k in ("waste_frac", "worst_rank", "max_over_median")
-    }
-    balance = {
-        k: ["Multiline", [rf"balance/{k}$"]]
-        for k in ("moved_packs", "planned_waste_frac", "exchange_ms", "exposed_exchange_ms")
-    }
-    return {
-        "straggler per rank": per_rank,
-        "straggler summary": summary,
-        "rebalancing": balance,
-    }
-
-
-def pack_features(meta: dict[str, Any]) -> dict[str, Any]:
-    """Cost features of a packed micro-batch from its ``meta`` (python ints: no device sync)."""
-    features: dict[str, Any] = {}
-    for key in ("pack_id", "total_tokens", "image_tokens", "images"):
-        if key in meta:
-            features[key] = meta[key]
-    if "doc_lens" in meta:
-        features["doc_sq_tokens"] = sum(n * n for n in meta["doc_lens"])
-    if "image_sizes" in meta:
-        features["image_sq_tokens"] = sum(n * n for n in meta["image_sizes"])
-    return features
-
-
 def _resolve_module(
     root: nn.Module, spec: nn.Module | str | bool | None, names: tuple[str, ...], arg: str
 ) -> nn.Module | None:
@@ -478,3 +413,14 @@ def _resolve_module(
         )
         return None
     return min(found, key=lambda x: (x[0], names.index(x[1].rsplit(".", 1)[-1])))[2]
+
+
+def _pack_features(meta: dict[str, Any]) -> dict[str, Any]:
+    """The pack id and cost features of a micro-batch, for calibration (partial meta: the id
+    only; such records are skipped by ``CostModel.fit``)."""
+    features: dict[str, Any] = {"pack_id": meta["pack_id"]} if "pack_id" in meta else {}
+    try:
+        features.update(features_from_meta(meta))
+    except ValueError:
+        pass
+    return features

@@ -56,11 +56,11 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
     Args:
         total_tokens: tokens of each sample (the length table), images included.
         image_tokens: image tokens of each sample (zeros if ``None``).
-        seq_len: tokens per pack.
+        config: how samples become packs (:class:`~lightning_vlmbalance.PackingConfig`), or
+        **options: its fields as keyword arguments (``seq_len=8192, seed=0, shuffle=True,
+            window, min_fill, overlong, remainder, packer, image_budget``).
         num_replicas: data-parallel ranks (default: the initialised process group's world size).
         rank: this rank (default: the process group's rank).
-        seed, shuffle, window, min_fill, overlong, remainder, packer, image_budget: see
-            :class:`~lightning_vlmbalance.packing.plan.PackingConfig`.
 
     Raises:
         ValueError: for a bad length table or setting, naming the sample or the setting.
@@ -77,35 +77,23 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         total_tokens: Sequence[int] | np.ndarray,
         image_tokens: Sequence[int] | np.ndarray | None = None,
         *,
-        seq_len: int,
+        config: PackingConfig | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
-        seed: int = 0,
-        shuffle: bool = True,
-        window: int = 4096,
-        min_fill: float = 0.98,
-        overlong: str = "error",
-        remainder: str = "pad",
-        packer: str = "greedy",
-        image_budget: int | None = None,
+        **options: Any,
     ) -> None:
+        if config is not None and options:
+            raise ValueError(
+                f"`PackingSampler(config=..., {', '.join(options)}=...)`: give the options"
+                " either in the config or as arguments"
+            )
         self.total_tokens = as_length_column(total_tokens, "total_tokens")
         self.image_tokens = (
             np.zeros_like(self.total_tokens)
             if image_tokens is None
             else as_length_column(image_tokens, "image_tokens")
         )
-        self.config = PackingConfig(
-            seq_len=seq_len,
-            seed=seed,
-            shuffle=shuffle,
-            window=window,
-            min_fill=min_fill,
-            overlong=overlong,
-            remainder=remainder,
-            packer=packer,
-            image_budget=image_budget,
-        )
+        self.config = config if config is not None else PackingConfig(**options)
         # given values are kept; defaults follow the process group, even one initialised later
         self._auto_replicas, self._auto_rank = num_replicas is None, rank is None
         self.num_replicas = _dist_default(num_replicas, "get_world_size", 1)

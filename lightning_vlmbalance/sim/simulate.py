@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
@@ -219,6 +220,7 @@ def simulate(
     replay_skip: int = 0,
     step_overhead: StepOverhead | None = None,
     progress: Callable[[int], Any] | None = None,
+    rebalance: RebalanceConfig | None = None,
 ) -> list[dict[str, Any]]:
     """Simulates every (strategy, dp, ga); see the module docstring.
 
@@ -239,6 +241,9 @@ def simulate(
         replay_skip: global batches to skip first (warm-up) in replay mode.
         step_overhead: fixed time per optimizer step beyond the slowest rank (default none).
         progress: called with 1 after each global batch (e.g. a progress bar's ``update``).
+        rebalance: the planner's objective and tolerance, as the strategy would use them
+            (:class:`~lightning_vlmbalance.balance.config.RebalanceConfig`; ``"auto"`` follows
+            ``sync_every``). Its ``mode`` is not used: ``strategies`` lists the modes to compare.
 
     Returns:
         One dict per configuration: ``strategy``, ``dp``, ``ga``, ``step_ms`` (mean),
@@ -261,7 +266,10 @@ def simulate(
     cost_model = cost_model or CostModel()
     exchange = exchange or ExchangeModel()
     overhead = step_overhead or StepOverhead()
-    objective = "step" if sync_every == "step" else "microstep"
+    sync_objective = "step" if sync_every == "step" else "microstep"  # how step time adds up
+    plan = (rebalance or RebalanceConfig()).resolved(
+        sync_every_micro_batch=sync_every == "microstep"
+    )
     rows: list[dict[str, Any]] = []
     pools: dict[tuple[str, int], _Pool] = {}
 
@@ -285,7 +293,9 @@ def simulate(
                     rng = np.random.default_rng([seed, R, G])
                     real = np.flatnonzero(p.tokens > 0)
                     draws = [rng.choice(real, size=R * G) for _ in range(batches)]
-                row = _run(strategy, p, draws, R, G, objective, exchange, overhead(R), progress)
+                row = _run(
+                    strategy, p, draws, R, G, sync_objective, plan, exchange, overhead(R), progress
+                )
                 group.append(row)
             off = next((r for r in group if r["strategy"] == "off"), None)
             for row in group:
@@ -317,6 +327,7 @@ def _run(
     R: int,
     G: int,
     objective: str,
+    plan_config: RebalanceConfig,
     exchange: ExchangeModel,
     overhead_ms: float,
     progress: Callable[[int], Any] | None,
@@ -329,7 +340,12 @@ def _run(
         exposed_ms = 0.0
         if strategy in ("sync", "overlap") and R > 1:
             plan = plan_rebalance(
-                np.rint(cost * 1000.0).astype(np.int64), origin, R, G, objective=objective
+                np.rint(cost * 1000.0).astype(np.int64),
+                origin,
+                R,
+                G,
+                objective=plan_config.objective,
+                tolerance=plan_config.tolerance,
             )
             compute = cost[plan.assignment[:, :, 0]]
             moves = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 3)

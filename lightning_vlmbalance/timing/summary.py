@@ -12,15 +12,25 @@ the others wait:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_vlmbalance.timing.timer import PHASES, WAIT_PHASES
+from lightning_vlmbalance.timing.timer import PHASES, WAIT_PHASES, ResolvedStep
 
-__all__ = ["StragglerStats", "stats_from_waits", "straggler_stats"]
+__all__ = [
+    "SERIES",
+    "StragglerStats",
+    "custom_scalars_layout",
+    "per_rank_metrics",
+    "stats_from_waits",
+    "straggler_stats",
+    "window_row",
+]
 
 _WAIT_IDX = [PHASES.index(p) for p in WAIT_PHASES]
+SERIES: tuple[str, ...] = (*PHASES, "step")  # what is logged per rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +73,49 @@ def stats_from_waits(wait_ms: np.ndarray, step_ms: np.ndarray) -> StragglerStats
         busy_ms=busy,
         wait_ms=wait,
     )
+
+
+def window_row(steps: Sequence[ResolvedStep]) -> np.ndarray:
+    """One rank's window of resolved steps as the row gathered to rank 0: ``[n_steps, sum of
+    each phase's ms (PHASES order), sum of step ms]``."""
+    row = np.zeros(len(SERIES) + 1)
+    row[0] = len(steps)
+    for step in steps:
+        row[1:-1] += [step.phases_ms[p] for p in PHASES]
+        row[-1] += step.step_ms
+    return row
+
+
+def per_rank_metrics(table: np.ndarray) -> dict[str, float]:
+    """The ``straggler/*`` metrics from the gathered rows (``(R, 1 + len(SERIES))``, every rank
+    with at least one step): per-rank means of each series, and the straggler statistics."""
+    means = table[:, 1:] / table[:, :1]
+    stats = straggler_stats(means[:, :-1], means[:, -1])
+    metrics = {
+        f"straggler/{series}_ms/rank_{r}": float(means[r, k])
+        for r in range(len(means))
+        for k, series in enumerate(SERIES)
+    }
+    metrics["straggler/waste_frac"] = stats.waste_frac
+    metrics["straggler/worst_rank"] = float(stats.worst_rank)
+    metrics["straggler/max_over_median"] = stats.max_over_median
+    return metrics
+
+
+def custom_scalars_layout() -> dict[str, dict[str, list]]:
+    """TensorBoard layout: one multi-line chart per phase (a line per rank), the summary, and
+    the ``balance/*`` metrics of the ``"vlmbalance"`` strategy next to them (empty without it)."""
+    per_rank = {f"{s}_ms": ["Multiline", [rf"straggler/{s}_ms/rank_\d+"]] for s in SERIES}
+    summary = {
+        k: ["Multiline", [rf"straggler/{k}$"]]
+        for k in ("waste_frac", "worst_rank", "max_over_median")
+    }
+    balance = {
+        k: ["Multiline", [rf"balance/{k}$"]]
+        for k in ("moved_packs", "planned_waste_frac", "exchange_ms", "exposed_exchange_ms")
+    }
+    return {
+        "straggler per rank": per_rank,
+        "straggler summary": summary,
+        "rebalancing": balance,
+    }

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import lightning_vlmbalance as vb
-from lightning_vlmbalance.balance.loader import RebalancingLoader, batch_features
+from lightning_vlmbalance.balance.loader import RebalancingLoader
+from lightning_vlmbalance.balance.loader import _batch_features as batch_features
 from tests.multiproc import run_ranks
 
 

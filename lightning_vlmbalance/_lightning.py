@@ -1,0 +1,245 @@
+"""The one module that touches Lightning's (and torch's) private attributes.
+
+Lightning has no public hook at three points this package needs, so it reaches into private
+attributes there; every such access lives here, behind a small function, and is checked by
+:func:`check_lightning` at set-up (and by ``tests/test_lightning_seam.py``, which fails when an
+attribute disappears or changes meaning):
+
+==========================================================  =======================================
+``_TrainingEpochLoop._broadcast_sigterm_tensor``            the per-micro-batch sync point: the
+                                                            strategy replaces it (SIGTERM
+                                                            agreement once per optimizer step),
+                                                            the StragglerMonitor times it
+``_TrainingEpochLoop._on_before_fetch`` / ``_on_after_fetch``  data-fetch timing (bound into the
+                                                            data fetcher at ``on_run_start``,
+                                                            after ``on_fit_start``)
+``_TrainingEpochLoop.batch_progress.current.ready``         index of the micro-batch about to run
+``Trainer._signal_connector`` (``_sigterm_notifier_fn``,    the SIGTERM handler Lightning composes
+``received_sigterm``)                                       in ``register_signal_handlers``
+``DDPStrategy._ddp_comm_hook``                              the comm hook Lightning registers on
+                                                            CUDA (the monitor wraps it)
+``torch._C._current_graph_task_id``                         "is autograd running a backward?"
+==========================================================  =======================================
+
+Several listeners can share one loop point: :func:`loop_seam` installs one dispatcher per point
+on the loop instance and keeps a registry of who listens, so the strategy's replacement and the
+monitor's timing compose in a fixed order whatever Lightning's call order, and each owner removes
+only its own listener.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import lightning
+import torch
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from packaging.version import Version
+
+__all__ = [
+    "SUPPORTED_LIGHTNING",
+    "LoopSeam",
+    "check_lightning",
+    "ddp_comm_hook",
+    "in_backward",
+    "leave_loop_seam",
+    "loop_seam",
+    "micro_batch_index",
+    "own_sigterm_handler",
+    "release_sigterm_handler",
+    "set_ddp_comm_hook",
+    "set_received_sigterm",
+]
+
+# keep in step with pyproject.toml's dependency range
+SUPPORTED_LIGHTNING = (">=2.5", "<2.7")
+
+_LOOP_POINTS = ("_broadcast_sigterm_tensor", "_on_before_fetch", "_on_after_fetch")
+
+
+@functools.cache
+def _problems() -> tuple[str, ...]:
+    """What the package needs from Lightning's privates and does not find (empty: all there)."""
+    problems = []
+    for name in _LOOP_POINTS:
+        if not callable(getattr(_TrainingEpochLoop, name, None)):
+            problems.append(f"`_TrainingEpochLoop.{name}` is missing")
+    if "_broadcast_sigterm_tensor()" not in inspect.getsource(_TrainingEpochLoop.advance):
+        problems.append("`_TrainingEpochLoop.advance` no longer calls `_broadcast_sigterm_tensor`")
+    if "_on_before_fetch" not in inspect.getsource(_TrainingEpochLoop.on_run_start):
+        problems.append("`_TrainingEpochLoop.on_run_start` no longer binds `_on_before_fetch`")
+    if "batch_progress.current.ready" not in inspect.getsource(
+        _TrainingEpochLoop._accumulated_batches_reached
+    ):
+        problems.append("accumulation is no longer keyed on `batch_progress.current.ready`")
+    if not callable(getattr(_SignalConnector, "_sigterm_notifier_fn", None)):
+        problems.append("`_SignalConnector._sigterm_notifier_fn` is missing")
+    elif "self._sigterm_notifier_fn" not in inspect.getsource(
+        _SignalConnector.register_signal_handlers
+    ):
+        problems.append("`register_signal_handlers` no longer uses `_sigterm_notifier_fn`")
+    if "_ddp_comm_hook" not in inspect.getsource(DDPStrategy._register_ddp_hooks):
+        problems.append("`DDPStrategy._register_ddp_hooks` no longer reads `_ddp_comm_hook`")
+    if not callable(getattr(torch._C, "_current_graph_task_id", None)):
+        problems.append("`torch._C._current_graph_task_id` is missing")
+    return tuple(problems)
+
+
+def check_lightning() -> None:
+    """Raises ``RuntimeError`` naming the supported Lightning range and what is missing if this
+    Lightning lacks a private attribute the package relies on (run at set-up); a version outside
+    the tested range that has them all gets a warning."""
+    version = Version(lightning.__version__)
+    problems = _problems()
+    if problems:
+        raise RuntimeError(
+            f"lightning_vlmbalance supports lightning {','.join(SUPPORTED_LIGHTNING)}; lightning"
+            f" {version} lacks what it relies on: " + "; ".join(problems)
+        )
+    low, high = (Version(bound.lstrip("<>=")) for bound in SUPPORTED_LIGHTNING)
+    if not low <= version < high:
+        warnings.warn(
+            f"lightning_vlmbalance is tested with lightning {','.join(SUPPORTED_LIGHTNING)},"
+            f" found {version}",
+            stacklevel=2,
+        )
+
+
+# -- the training loop's private points ---------------------------------------------------------
+
+
+class LoopSeam:
+    """Dispatchers for the epoch loop's private points, with a registry of listeners.
+
+    ``sync_point``: the loop calls it at the start of every micro-batch (Lightning broadcasts
+    its SIGTERM flag there when ``world_size > 1``). At most one owner *replaces* it
+    (:meth:`replace_sync_point`); any number *wrap* it (:meth:`wrap_sync_point`, outermost
+    first in registration order). ``fetch``: ``before()`` / ``after()`` around each fetch.
+    """
+
+    def __init__(self, loop: Any) -> None:
+        self._loop = weakref.ref(loop)
+        self._replacement: tuple[object, Callable[[], None]] | None = None
+        self._wrappers: list[tuple[object, Callable[[Callable[[], None]], None]]] = []
+        self._fetch: list[tuple[object, Callable[[], None], Callable[[], None]]] = []
+        self._original = {name: getattr(type(loop), name).__get__(loop) for name in _LOOP_POINTS}
+        loop._broadcast_sigterm_tensor = self._sync_point
+        loop._on_before_fetch = self._before_fetch
+        loop._on_after_fetch = self._after_fetch
+
+    def replace_sync_point(self, owner: object, fn: Callable[[], None]) -> None:
+        if self._replacement is not None and self._replacement[0] is not owner:
+            raise RuntimeError(
+                f"the loop's sync point is replaced by {type(self._replacement[0]).__name__}"
+                f" already; {type(owner).__name__} cannot replace it too"
+            )
+        self._replacement = (owner, fn)
+
+    def wrap_sync_point(self, owner: object, wrapper: Callable[[Callable[[], None]], None]) -> None:
+        self._wrappers.append((owner, wrapper))
+
+    def on_fetch(
+        self, owner: object, before: Callable[[], None], after: Callable[[], None]
+    ) -> None:
+        self._fetch.append((owner, before, after))
+
+    def remove(self, owner: object) -> None:
+        """Drops ``owner``'s listeners; the last one out restores Lightning's methods."""
+        if self._replacement is not None and self._replacement[0] is owner:
+            self._replacement = None
+        self._wrappers = [w for w in self._wrappers if w[0] is not owner]
+        self._fetch = [f for f in self._fetch if f[0] is not owner]
+        loop = self._loop()
+        if loop is not None and not (self._replacement or self._wrappers or self._fetch):
+            for name in _LOOP_POINTS:
+                loop.__dict__.pop(name, None)
+            _SEAMS.pop(id(loop), None)
+
+    def _sync_point(self) -> None:
+        call = self._replacement[1] if self._replacement else self._original[_LOOP_POINTS[0]]
+        for _, wrapper in reversed(self._wrappers):
+            call = _bind(wrapper, call)
+        call()
+
+    def _before_fetch(self) -> None:
+        self._original["_on_before_fetch"]()
+        for _, before, _after in self._fetch:
+            before()
+
+    def _after_fetch(self) -> None:
+        for _, _before, after in reversed(self._fetch):
+            after()
+        self._original["_on_after_fetch"]()
+
+
+def _bind(wrapper: Callable[[Callable[[], None]], None], inner: Callable[[], None]):
+    return lambda: wrapper(inner)
+
+
+_SEAMS: dict[int, LoopSeam] = {}
+
+
+def loop_seam(trainer: Any) -> LoopSeam:
+    """The :class:`LoopSeam` of ``trainer``'s training epoch loop (installed on first use; must
+    be before the loop's ``on_run_start``, i.e. in ``setup`` or ``on_fit_start``)."""
+    check_lightning()
+    loop = trainer.fit_loop.epoch_loop
+    seam = _SEAMS.get(id(loop))
+    if seam is None or seam._loop() is not loop:
+        seam = _SEAMS[id(loop)] = LoopSeam(loop)
+    return seam
+
+
+def leave_loop_seam(trainer: Any, owner: object) -> None:
+    """Removes ``owner``'s listeners from ``trainer``'s loop seam, if it has one."""
+    seam = _SEAMS.get(id(trainer.fit_loop.epoch_loop))
+    if seam is not None:
+        seam.remove(owner)
+
+
+def micro_batch_index(trainer: Any) -> int:
+    """Index in the epoch of the micro-batch about to run (or running) in the training loop."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+# -- SIGTERM -------------------------------------------------------------------------------------
+
+
+def own_sigterm_handler(trainer: Any, handler: Callable[[int, Any], None]) -> None:
+    """Makes ``handler`` Lightning's SIGTERM notifier: ``register_signal_handlers`` (which runs
+    after ``strategy.setup``) composes it with the user's and SLURM's handlers instead of
+    Lightning's own, which broadcasts inside the signal handler."""
+    trainer._signal_connector._sigterm_notifier_fn = handler
+
+
+def release_sigterm_handler(trainer: Any) -> None:
+    trainer._signal_connector.__dict__.pop("_sigterm_notifier_fn", None)
+
+
+def set_received_sigterm(trainer: Any) -> None:
+    """Sets the flag behind ``trainer.received_sigterm`` (what Lightning's handler would set)."""
+    trainer._signal_connector.received_sigterm = True
+
+
+# -- DDP comm hook, autograd ---------------------------------------------------------------------
+
+
+def ddp_comm_hook(strategy: DDPStrategy) -> Any:
+    """The comm hook Lightning will register on CUDA (``None``: DDP's default all-reduce)."""
+    return strategy._ddp_comm_hook
+
+
+def set_ddp_comm_hook(strategy: DDPStrategy, hook: Any) -> None:
+    strategy._ddp_comm_hook = hook
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass in this thread (a checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1

@@ -1,0 +1,66 @@
+"""``RebalanceConfig``: the rebalancing options, validated once, shared by the strategy, the
+loader and the simulator (no Lightning import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from lightning_vlmbalance.balance.planner import OBJECTIVES
+
+__all__ = ["MODES", "RebalanceConfig"]
+
+MODES: tuple[str, ...] = ("overlap", "sync", "off")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RebalanceConfig:
+    """How each global batch is rebalanced.
+
+    Args:
+        mode: ``"overlap"`` (plan and exchange one global batch ahead in a background thread),
+            ``"sync"`` (in line) or ``"off"`` (no move; the loss weights are still set).
+        objective: ``"auto"`` (decided by who synchronises how often: ``"step"`` when ranks
+            meet once per optimizer step, ``"microstep"`` when they meet every micro-batch),
+            ``"microstep"``, ``"step"`` or ``"both"`` (see ``docs/rebalancing.md``).
+        tolerance: planner tolerance, a fraction of the balance-optimal value that may be given
+            up to move fewer packs.
+        exchange_timeout_s: deadline of every wait for a peer or for the background thread; a
+            failed or dead peer becomes an error on every rank within it.
+
+    Raises:
+        ValueError: for an unknown mode or objective, a negative tolerance or a non-positive
+            timeout, quoting the call.
+
+    Example::
+
+        config = RebalanceConfig(mode="sync", tolerance=0.001)
+        trainer = L.Trainer(strategy=VLMBalanceStrategy(config=config))
+    """
+
+    mode: str = "overlap"
+    objective: str = "auto"
+    tolerance: float = 0.0
+    exchange_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"`RebalanceConfig(mode={self.mode!r})`: expected one of {MODES}")
+        if self.objective != "auto" and self.objective not in OBJECTIVES:
+            raise ValueError(
+                f"`RebalanceConfig(objective={self.objective!r})`: expected 'auto' or one of"
+                f" {OBJECTIVES}"
+            )
+        if not self.tolerance >= 0:
+            raise ValueError(f"`RebalanceConfig(tolerance={self.tolerance!r})` must be >= 0")
+        if not self.exchange_timeout_s > 0:
+            raise ValueError(
+                f"`RebalanceConfig(exchange_timeout_s={self.exchange_timeout_s!r})` must be > 0"
+            )
+
+    def resolved(self, *, sync_every_micro_batch: bool) -> RebalanceConfig:
+        """This config with ``objective="auto"`` decided: ``"microstep"`` if the ranks
+        synchronise at every micro-batch (FSDP, or Lightning's per-micro-batch flag broadcast),
+        else ``"step"``."""
+        if self.objective != "auto":
+            return self
+        return replace(self, objective="microstep" if sync_every_micro_batch else "step")

@@ -1,0 +1,102 @@
+"""The private Lightning attributes the package relies on are all owned by `_lightning.py`:
+this fails when Lightning removes one or changes what it means."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lightning as L
+import pytest
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+from lightning_vlmbalance import _lightning as seam
+from tests.cpu_fit import cpu_trainer, packed_loader
+from tests.packing.lightning_job import SMALL_VLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_private_attribute_is_there_and_means_the_same() -> None:
+    assert seam._problems() == ()
+    seam.check_lightning()
+
+
+def test_a_missing_attribute_is_named_with_the_supported_range(monkeypatch) -> None:
+    monkeypatch.delattr(_TrainingEpochLoop, "_on_before_fetch")
+    seam._problems.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"supports lightning >=2.5,<2.7.*_on_before_fetch"):
+            seam.check_lightning()
+    finally:
+        monkeypatch.undo()
+        seam._problems.cache_clear()
+
+
+def test_pyproject_pins_the_supported_range() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'"lightning' + re.escape(",".join(seam.SUPPORTED_LIGHTNING)) + '"', text)
+
+
+def test_sync_point_listeners_compose_and_leave_independently() -> None:
+    """The strategy's replacement and the monitor's wrapper compose in registration order
+    whatever order Lightning calls them in; each owner removes only its own listener."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    loop = trainer.fit_loop.epoch_loop
+    calls: list[str] = []
+    strategy, monitor, other = object(), object(), object()
+    s = seam.loop_seam(trainer)
+
+    def wrap(name):
+        def wrapper(inner):
+            calls.append(f"{name}>")
+            inner()
+            calls.append(f"<{name}")
+
+        return wrapper
+
+    s.wrap_sync_point(monitor, wrap("monitor"))
+    s.replace_sync_point(strategy, lambda: calls.append("agree"))
+    s.wrap_sync_point(other, wrap("other"))
+    loop._broadcast_sigterm_tensor()
+    assert calls == ["monitor>", "other>", "agree", "<other", "<monitor"]
+    with pytest.raises(RuntimeError, match="replaced by object already"):
+        s.replace_sync_point(monitor, lambda: None)
+    seam.leave_loop_seam(trainer, strategy)  # the monitor keeps timing Lightning's own point
+    calls.clear()
+    loop._broadcast_sigterm_tensor()
+    assert calls == ["monitor>", "other>", "<other", "<monitor"]
+    seam.leave_loop_seam(trainer, monitor)
+    seam.leave_loop_seam(trainer, other)  # the last one out restores Lightning's methods
+    assert "_broadcast_sigterm_tensor" not in loop.__dict__
+    assert "_on_before_fetch" not in loop.__dict__
+
+
+def test_fetch_listeners_and_micro_batch_index_in_a_real_fit() -> None:
+    """In a real fit the fetch listeners run around every fetch, and the micro-batch index is
+    the 0-based position of the batch in the epoch (what accumulation is keyed on)."""
+    from examples.vlm import ToyVLM
+
+    events: list[tuple[str, int]] = []
+
+    class Listen(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            seam.loop_seam(trainer).on_fetch(
+                self,
+                lambda: events.append(("before", seam.micro_batch_index(trainer))),
+                lambda: events.append(("after", seam.micro_batch_index(trainer))),
+            )
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            events.append(("batch", seam.micro_batch_index(trainer)))
+
+        def teardown(self, trainer, pl_module, stage):
+            seam.leave_loop_seam(trainer, self)
+
+    trainer = cpu_trainer([Listen()], steps=3, accumulate_grad_batches=2)
+    trainer.fit(ToyVLM(**SMALL_VLM, max_positions=128), packed_loader(trainer))
+    batches = [i for e, i in events if e == "batch"]
+    assert batches == [1, 2, 3, 4, 5, 6]  # `ready` was incremented before the batch hooks
+    fetched = [e for e, _ in events if e != "batch"]
+    assert fetched[:4] == ["before", "after", "before", "after"] and len(fetched) >= 12
+    assert "_on_before_fetch" not in trainer.fit_loop.epoch_loop.__dict__
