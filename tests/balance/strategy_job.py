@@ -226,7 +226,7 @@ def main() -> None:
         )
     if args.all_callbacks:
         callbacks += [
-            vb.StragglerMonitor(log_every_n_steps=1),
+            vb.StragglerMonitor(log_every_n_steps=1, jsonl_dir=Path(args.out) / "straggler"),
             vb.ActivationOffload(test_mode=True),
             vb.CompiledMoERouting(backend="aot_eager", log_every_n_steps=1),
         ]
