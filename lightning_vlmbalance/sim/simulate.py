@@ -284,34 +284,56 @@ def simulate(
 
     for R in dp:
         for G in ga:
-            group: list[dict[str, Any]] = []
+            group = []
             for strategy in strategies:
                 p = pool("budget" if strategy == "budget" else "greedy", R)
-                if replay:
-                    draws = p.replay_batches(R, G, replay_skip, batches)
-                else:
-                    rng = np.random.default_rng([seed, R, G])
-                    real = np.flatnonzero(p.tokens > 0)
-                    draws = [rng.choice(real, size=R * G) for _ in range(batches)]
-                row = _run(
-                    strategy, p, draws, R, G, sync_objective, plan, exchange, overhead(R), progress
-                )
-                group.append(row)
-            off = next((r for r in group if r["strategy"] == "off"), None)
-            for row in group:
-                row["gain"] = (
-                    row["tokens_per_s_per_rank"] / off["tokens_per_s_per_rank"] - 1.0
-                    if off and off["tokens_per_s_per_rank"]
-                    else None
-                )
-                if row["strategy"] == "off":
-                    c = pool("greedy", R).cost_ms
-                    c = c[c > 0]
-                    row["closed_form_waste"] = closed_form_waste(
-                        float(c.mean()), float(c.std()), R, G, sync_every
+                draws = _draws(p, R, G, batches, seed, replay, replay_skip)
+                group.append(
+                    _run(
+                        strategy,
+                        p,
+                        draws,
+                        R,
+                        G,
+                        sync_objective,
+                        plan,
+                        exchange,
+                        overhead(R),
+                        progress,
                     )
+                )
+            _add_gains(group, pool("greedy", R).cost_ms, R, G, sync_every)
             rows.extend(group)
     return rows
+
+
+def _draws(
+    p: _Pool, R: int, G: int, batches: int, seed: int, replay: bool, replay_skip: int
+) -> list[np.ndarray]:
+    """The global batches (pack indices into the pool) of one (dp, ga) configuration."""
+    if replay:
+        return p.replay_batches(R, G, replay_skip, batches)
+    rng = np.random.default_rng([seed, R, G])
+    real = np.flatnonzero(p.tokens > 0)
+    return [rng.choice(real, size=R * G) for _ in range(batches)]
+
+
+def _add_gains(
+    group: list[dict[str, Any]], cost_ms: np.ndarray, R: int, G: int, sync_every: str
+) -> None:
+    """Each row's tokens/s gain over ``off`` (same dp, ga), and the closed form on ``off``."""
+    off = next((r for r in group if r["strategy"] == "off"), None)
+    for row in group:
+        row["gain"] = (
+            row["tokens_per_s_per_rank"] / off["tokens_per_s_per_rank"] - 1.0
+            if off and off["tokens_per_s_per_rank"]
+            else None
+        )
+        if row["strategy"] == "off":
+            c = cost_ms[cost_ms > 0]
+            row["closed_form_waste"] = closed_form_waste(
+                float(c.mean()), float(c.std()), R, G, sync_every
+            )
 
 
 def _default_budget(greedy: _Pool) -> int:
