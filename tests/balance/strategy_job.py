@@ -227,7 +227,7 @@ def main() -> None:
     if args.all_callbacks:
         callbacks += [
             vb.StragglerMonitor(log_every_n_steps=1, jsonl_dir=Path(args.out) / "straggler"),
-            vb.ActivationOffload(test_mode=True),
+            vb.ActivationOffload(test_mode=True, min_bytes=0),  # offloads every saved tensor
             vb.CompiledMoERouting(backend="aot_eager", log_every_n_steps=1),
         ]
     trainer = L.Trainer(

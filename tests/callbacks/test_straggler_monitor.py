@@ -31,11 +31,24 @@ def _series(acc: EventAccumulator, tag: str) -> np.ndarray:
     return np.array([e.value for e in acc.Scalars(tag)])
 
 
+def _rows(out: Path, rank: int) -> list[dict]:
+    path = out / "tb" / "run" / "version_0" / "straggler" / f"rank_{rank}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _wait(row: dict) -> float:
+    return row["phases_ms"]["sync_wait"] + row["phases_ms"]["lightning_sync"]
+
+
 @pytest.mark.parametrize(("accumulate", "extra"), [(1, ()), (4, ("--val-sleep-ms", "100"))])
 def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int, extra) -> None:
-    """Rank 1 sleeps 40 ms in every vision forward: it is the worst rank, its vision_fwd is longer
-    by the delay per micro-batch, and rank 0 waits about delay x micro-batches per step. With 4
-    micro-batches, rank 1 is also slow in validation (between steps): that is not training wait."""
+    """Rank 1 sleeps 40 ms in every vision forward: every one of its vision forwards and steps
+    lasts at least that (a lower bound from the sleep, whatever the load), it is the worst rank,
+    and the waiting shows on rank 0, in the sync phases: at the all-reduce with 1 micro-batch, at
+    the barriers of micro-batches 2..4 with 4. With 4 micro-batches, rank 1 is also slow in
+    validation (between steps): rank 0's wait for it is ``between_steps_ms``, not training wait.
+
+    No upper bound on a measured time is asserted: on a busy machine every phase can stretch."""
     _run(tmp_path, "--accumulate", str(accumulate), "--delay-ms", str(DELAY_MS), *extra)
     acc = _events(tmp_path)
     tags = set(acc.Tags()["scalars"])
@@ -44,19 +57,15 @@ def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int,
             assert f"straggler/{phase}_ms/rank_{r}" in tags
     worst = _series(acc, "straggler/worst_rank")
     assert len(worst) >= 5 and (worst == 1).mean() >= 0.9
-    per_step = DELAY_MS * accumulate
-    vision = _series(acc, "straggler/vision_fwd_ms/rank_1") - _series(
-        acc, "straggler/vision_fwd_ms/rank_0"
-    )
-    # the sleep is a lower bound of rank 1's vision time; rank 0's own compute varies by a few ms
-    assert np.median(vision) >= 0.95 * per_step and vision.min() >= 0.8 * per_step, vision
-    wait0 = _series(acc, "straggler/sync_wait_ms/rank_0") + _series(
-        acc, "straggler/lightning_sync_ms/rank_0"
-    )
-    assert abs(np.median(wait0) - per_step) <= 0.25 * per_step, wait0
     waste = _series(acc, "straggler/waste_frac")
     assert ((waste > 0) & (waste < 1)).all()
     assert (_series(acc, "straggler/max_over_median") >= 1).all()
+    per_step = DELAY_MS * accumulate
+    assert (_series(acc, "straggler/vision_fwd_ms/rank_1") >= per_step).all()
+    vision = _series(acc, "straggler/vision_fwd_ms/rank_1") - _series(
+        acc, "straggler/vision_fwd_ms/rank_0"
+    )
+    assert np.median(vision) > 0, vision
 
     # the custom-scalars layout is in the event file and its regexes match the written tags
     config = acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0]
@@ -69,32 +78,43 @@ def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int,
         assert matched == {f"straggler/{phase}_ms/rank_{r}" for r in (0, 1)}
 
     # raw per-step JSON lines on every rank, one line per optimizer step
+    rows = {r: _rows(tmp_path, r) for r in (0, 1)}
     for r in (0, 1):
-        lines = tmp_path / "tb" / "run" / "version_0" / "straggler" / f"rank_{r}.jsonl"
-        rows = [json.loads(x) for x in lines.read_text().splitlines()]
-        assert [row["global_step"] for row in rows] == list(range(1, 13))
-        row = rows[-1]
+        assert [row["global_step"] for row in rows[r]] == list(range(1, 13))
+        row = rows[r][-1]
         assert row["rank"] == r and row["world_size"] == 2 and row["micro_batches"] == accumulate
         assert set(row["phases_ms"]) == set(PHASES)
-        assert len(row["micro"]) == accumulate
         micro = row["micro"][0]
         assert {"pack_id", "total_tokens", "image_tokens", "vision_fwd_ms"} <= set(micro)
-        assert (
-            abs(sum(m["vision_fwd_ms"] for m in row["micro"]) - row["phases_ms"]["vision_fwd"])
-            < 1e-2
-        )
-        assert sum(row["phases_ms"].values()) <= row["step_ms"] + 1e-6
+        for row in rows[r]:
+            assert len(row["micro"]) == accumulate
+            assert (
+                abs(sum(m["vision_fwd_ms"] for m in row["micro"]) - row["phases_ms"]["vision_fwd"])
+                < 1e-2
+            )
+            assert sum(row["phases_ms"].values()) <= row["step_ms"] + 1e-3
+            # every step ends with the gradient all-reduce, timed by the comm hook
+            assert row["phases_ms"]["sync_wait"] > 0
+            # the first sync point of a step follows the previous step: never training wait
+            assert row["micro"][0]["lightning_sync_ms"] == 0
+            assert all(m["lightning_sync_ms"] > 0 for m in row["micro"][1:])
+    for row in rows[1]:  # the sleeps are inside rank 1's timed vision forwards and steps
+        assert all(m["vision_fwd_ms"] >= DELAY_MS for m in row["micro"]), row
+        assert row["step_ms"] >= per_step, row
+    # the wait is rank 0's, in the phase where the ranks meet
+    wait_phase = "sync_wait" if accumulate == 1 else "lightning_sync"
+    waits = {r: np.median([row["phases_ms"][wait_phase] for row in rows[r]]) for r in (0, 1)}
+    assert waits[0] > waits[1], waits
+    assert np.median([_wait(x) for x in rows[0]]) > np.median([_wait(x) for x in rows[1]])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["slowest_rank"] == 1 and summary["steps_timed"] == 12
+    assert summary["wait_ms_per_rank"][0] > summary["wait_ms_per_rank"][1]
     if extra:  # rank 0 waited for rank 1's validation before the steps that followed it
-        rows = [
-            json.loads(x)
-            for x in (tmp_path / "tb" / "run" / "version_0" / "straggler" / "rank_0.jsonl")
-            .read_text()
-            .splitlines()
-        ]
-        after_val = [r["between_steps_ms"] for r in rows if r["global_step"] % 2 == 1][1:]
-        assert min(after_val) >= 150, after_val
+        after_val = [x["between_steps_ms"] for x in rows[0] if x["global_step"] % 2 == 1][1:]
+        others = [x["between_steps_ms"] for x in rows[0] if x["global_step"] % 2 == 0]
+        rank1_after_val = [x["between_steps_ms"] for x in rows[1] if x["global_step"] % 2 == 1][1:]
+        assert np.median(after_val) > np.median(others), (after_val, others)
+        assert np.median(after_val) > np.median(rank1_after_val), (after_val, rank1_after_val)
 
 
 def test_single_device_logs_phases_without_waits(tmp_path: Path) -> None:

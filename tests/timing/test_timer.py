@@ -1,64 +1,114 @@
-"""The timing core: phase intervals, nesting, the comm-hook wait, straggler statistics."""
+"""The timing core: phase intervals, nesting, the comm-hook wait, straggler statistics.
+
+The host clock is injected: ``lightning_vlmbalance.timing.timer`` reads ``time.perf_counter``
+through its module attribute ``time``, which the ``clock`` fixture replaces by a clock that only
+moves when the test says so. Every interval is then exact, whatever the machine's load.
+"""
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
 
 from lightning_vlmbalance.timing import PHASES, StepTimer, straggler_stats, timed_comm_hook
+from lightning_vlmbalance.timing import timer as timer_mod
 
 
-def _sleep_phase(timer: StepTimer, phase: str, seconds: float, **kw) -> None:
+class FakeClock:
+    """``time.perf_counter`` for the timer module: seconds that advance only in :meth:`sleep`."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(timer_mod, "time", fake)
+    return fake
+
+
+def _sleep_phase(timer: StepTimer, clock: FakeClock, phase: str, seconds: float, **kw) -> None:
     timer.start(phase, **kw)
-    time.sleep(seconds)
+    clock.sleep(seconds)
     timer.stop(phase)
 
 
-def test_phases_are_summed_over_micro_batches() -> None:
+def test_the_host_clock_is_read_through_the_module_attribute(clock) -> None:
+    """The seam the other tests rely on: a mark is ``timer.time.perf_counter()``."""
+    a = timer_mod.HOST.mark()
+    clock.sleep(0.25)
+    assert timer_mod.HOST.elapsed_ms(a, timer_mod.HOST.mark()) == pytest.approx(250.0)
+
+
+def test_phases_are_summed_over_micro_batches(clock) -> None:
     timer = StepTimer()
     for _ in range(3):
         timer.set_features({"pack_id": 1})
-        _sleep_phase(timer, "vision_fwd", 0.01)
+        _sleep_phase(timer, clock, "vision_fwd", 0.01)
+        clock.sleep(0.002)  # between phases: in the step, in no phase
         timer.end_micro()
     timer.end_step(global_step=1, epoch=0)
     (step,) = timer.drain()
     assert len(step.micro) == 3 and step.micro[0]["pack_id"] == 1
-    assert step.phases_ms["vision_fwd"] >= 30
-    assert step.step_ms >= step.phases_ms["vision_fwd"]
+    assert [m["vision_fwd_ms"] for m in step.micro] == pytest.approx([10.0] * 3)
+    assert step.phases_ms["vision_fwd"] == pytest.approx(30.0)
+    assert step.step_ms == pytest.approx(36.0)  # first mark to end_step
+    assert all(step.phases_ms[p] == 0 for p in PHASES if p != "vision_fwd")
     assert timer.drain() == []
 
 
-def test_nested_vision_is_excluded_from_llm() -> None:
+def test_nested_vision_is_excluded_from_llm(clock) -> None:
     """A vision forward inside the language module's forward counts only as vision."""
     timer = StepTimer()
     timer.start("llm_fwd")
-    _sleep_phase(timer, "vision_fwd", 0.03)
-    time.sleep(0.01)
+    clock.sleep(0.005)
+    _sleep_phase(timer, clock, "vision_fwd", 0.03)
+    clock.sleep(0.01)
     timer.stop("llm_fwd")
     timer.end_step(1, 0)
     (step,) = timer.drain()
-    assert step.phases_ms["vision_fwd"] >= 30
-    assert 10 <= step.phases_ms["llm_fwd"] < 25
+    assert step.phases_ms["vision_fwd"] == pytest.approx(30.0)
+    assert step.phases_ms["llm_fwd"] == pytest.approx(15.0)
+    assert step.step_ms == pytest.approx(45.0)
 
 
-def test_wait_after_the_last_bucket_becomes_sync_wait() -> None:
+def test_wait_after_the_last_bucket_becomes_sync_wait(clock) -> None:
     timer = StepTimer()
     timer.start("backward")
-    time.sleep(0.02)
-    timer.mark_sync_entry()
-    time.sleep(0.03)  # waiting for the other ranks
+    clock.sleep(0.01)
+    timer.mark_sync_entry()  # a first bucket: not the last one
+    clock.sleep(0.01)
+    timer.mark_sync_entry()  # the last bucket is handed to the all-reduce here
+    clock.sleep(0.03)  # waiting for the other ranks
     timer.stop_backward()
     timer.end_step(1, 0)
     (step,) = timer.drain()
-    assert step.phases_ms["sync_wait"] >= 30
-    assert 20 <= step.phases_ms["backward"] < 30
+    assert step.phases_ms["sync_wait"] == pytest.approx(30.0)
+    assert step.phases_ms["backward"] == pytest.approx(20.0)
+    assert step.micro[0]["sync_wait_ms"] == pytest.approx(30.0)
 
 
-def test_discarded_step_is_not_reported() -> None:
+def test_backward_without_a_bucket_has_no_sync_wait(clock) -> None:
+    """One device, or no DDP: the whole backward is `backward`."""
     timer = StepTimer()
-    _sleep_phase(timer, "data", 0.0, host=True)
+    _sleep_phase(timer, clock, "backward", 0.02)
+    timer.stop_backward()  # already stopped: a no-op
+    timer.end_step(1, 0)
+    (step,) = timer.drain()
+    assert step.phases_ms["backward"] == pytest.approx(20.0)
+    assert step.phases_ms["sync_wait"] == 0
+
+
+def test_discarded_step_is_not_reported(clock) -> None:
+    timer = StepTimer()
+    _sleep_phase(timer, clock, "data", 0.01, host=True)
     timer.discard_step()
     timer.end_step(1, 0)
     assert timer.drain() == []
@@ -89,36 +139,46 @@ def test_comm_hook_wraps_never_replaces() -> None:
     assert hook.__wrapped__ is user_hook
 
 
-def test_disabled_timer_records_nothing() -> None:
+def test_disabled_timer_records_nothing(clock) -> None:
     timer = StepTimer()
     timer.enabled = False
-    _sleep_phase(timer, "vision_fwd", 0.0)
+    _sleep_phase(timer, clock, "vision_fwd", 0.01)
     timer.mark_sync_entry()
     timer.end_step(1, 0)
     assert timer.drain() == []
     timer.enabled = True
-    _sleep_phase(timer, "vision_fwd", 0.0)
+    _sleep_phase(timer, clock, "vision_fwd", 0.02)
     timer.end_step(2, 0)
-    assert [s.global_step for s in timer.drain()] == [2]
+    (step,) = timer.drain()
+    assert step.global_step == 2 and step.phases_ms["vision_fwd"] == pytest.approx(20.0)
 
 
-def test_a_phase_never_stopped_does_not_block_later_steps() -> None:
-    """An optimizer step skipped by a GradScaler leaves `optimizer` open: the step still ends."""
+def test_a_phase_never_stopped_does_not_block_later_steps(clock) -> None:
+    """An optimizer step skipped by a GradScaler leaves `optimizer` open: the step still ends,
+    and the phase ends with its micro-batch."""
     timer = StepTimer()
     timer.start("optimizer")
-    timer.start("optimizer")  # re-entered (LBFGS calls the closure several times)
+    clock.sleep(0.01)
+    timer.start("optimizer")  # re-entered (LBFGS calls the closure several times): keeps its start
+    clock.sleep(0.01)
     timer.end_step(1, 0)
-    _sleep_phase(timer, "data", 0.0, host=True)
+    clock.sleep(0.05)  # after the step: not in it
+    _sleep_phase(timer, clock, "data", 0.0, host=True)
     timer.end_step(2, 0)
-    assert [s.global_step for s in timer.drain()] == [1, 2]
+    first, second = timer.drain()
+    assert [first.global_step, second.global_step] == [1, 2]
+    assert first.phases_ms["optimizer"] == pytest.approx(20.0)
+    assert second.phases_ms["optimizer"] == 0
 
 
-def test_time_before_a_step_is_not_waiting() -> None:
+def test_time_before_a_step_is_not_waiting(clock) -> None:
     timer = StepTimer()
     timer.between_steps(120.0)
     assert not timer.step_open
-    _sleep_phase(timer, "lightning_sync", 0.0, host=True)
+    _sleep_phase(timer, clock, "lightning_sync", 0.004, host=True)
     assert timer.step_open
     timer.end_step(1, 0)
     (step,) = timer.drain()
-    assert step.between_steps_ms == 120.0 and step.phases_ms["lightning_sync"] < 5
+    assert step.between_steps_ms == 120.0
+    assert step.phases_ms["lightning_sync"] == pytest.approx(4.0)
+    assert step.step_ms == pytest.approx(4.0)  # the time before the step is not in it
