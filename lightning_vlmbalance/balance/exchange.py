@@ -59,6 +59,8 @@ _DTYPES = {
 
 
 _ALIGN = 16  # bytes: the largest element size (complex128)
+_Works = list[tuple[Any, str]]  # (work, what it waits for), as _wait_all names them
+_ByPeer = dict[int, list[tuple[int, torch.Tensor]]]  # peer -> [(pack, payload)], in move order
 
 
 class ExchangeError(RuntimeError):
@@ -176,7 +178,33 @@ def exchange_packs(
     encoded = {p: encode_pack(packs[p]) for p, _ in outgoing}
 
     # 1) headers: sizes of each pack's spec and payload (CPU group)
-    works: list[tuple[Any, str]] = []
+    headers = _exchange_headers(encoded, outgoing, incoming, group, deadline, timeout_s)
+
+    # 2) specs (CPU group) and payloads (payload group, on ``device``)
+    if on_cuda and stream is None:
+        stream = torch.cuda.Stream(device)
+    with _on_stream(device, stream):
+        works, send_to = _send_specs(encoded, outgoing, group, device)
+        recv_works, buffers, recv_from = _recv_specs(headers, incoming, group, device)
+        works += recv_works
+        payload_works, pending = _post_payloads(send_to, recv_from, rank, payload_group)
+        _wait_all(works, deadline, timeout_s)
+        _wait_all(payload_works, deadline, timeout_s, poll=on_cuda)
+        received = _decode_received(incoming, buffers, pending, on_cuda, stream, ready_events)
+    del encoded  # the payloads being sent stay alive until every transfer is done
+    return received
+
+
+def _exchange_headers(
+    encoded: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    outgoing: list[tuple[int, int]],
+    incoming: list[tuple[int, int]],
+    group: dist.ProcessGroup | None,
+    deadline: float,
+    timeout_s: float,
+) -> dict[int, torch.Tensor]:
+    """Sends each outgoing pack's spec and payload sizes, and waits for the incoming ones'."""
+    works: _Works = []
     sent_headers = []
     for p, dst in outgoing:
         header = torch.tensor([encoded[p][0].numel(), encoded[p][1].numel()], dtype=torch.int64)
@@ -190,67 +218,105 @@ def exchange_packs(
             (dist.irecv(headers[p], src, group=group, tag=3 * p), f"header of pack {p} from {src}")
         )
     _wait_all(works, deadline, timeout_s)
+    return headers
 
-    # 2) specs (CPU group) and payloads (payload group, on ``device``)
-    if on_cuda and stream is None:
-        stream = torch.cuda.Stream(device)
-    with _on_stream(device, stream):
-        works, payload_works = [], []
-        send_to: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for p, dst in outgoing:
-            spec, payload = encoded[p]
-            works.append((dist.isend(spec, dst, group=group, tag=3 * p + 1), f"pack {p} to {dst}"))
-            if payload.numel():
-                if on_cuda:  # keeps the (pinned) host copy alive until the copy ran
-                    payload = payload.pin_memory().to(device, non_blocking=True)
-                    encoded[p] = (spec, payload)
-                send_to.setdefault(dst, []).append((p, payload))
-        buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        recv_from: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for p, src in incoming:
-            n_spec, n_payload = (int(x) for x in headers[p])
-            spec = torch.empty(n_spec, dtype=torch.uint8)
-            payload = torch.empty(n_payload, dtype=torch.uint8, device=device)
-            buffers[p] = (spec, payload)
-            works.append(
-                (dist.irecv(spec, src, group=group, tag=3 * p + 1), f"pack {p} from {src}")
-            )
-            if n_payload:
-                recv_from.setdefault(src, []).append((p, payload))
-        # Payloads, peer by peer. NCCL runs one pair's operations in posting order on one
-        # stream and ignores tags: if both ends of a swap posted their send first, each send
-        # would wait for a receive queued behind the other's send. The lower rank sends first,
-        # the higher receives first; within a pair both follow the order of ``moves``.
-        pending: dict[int, list[Any]] = {p: [] for p, _ in incoming}
 
-        def post_sends(peer: int) -> list[tuple[Any, str]]:
-            return [
-                (dist.isend(t, peer, group=payload_group, tag=3 * p + 2), f"pack {p} to {peer}")
-                for p, t in send_to.get(peer, [])
-            ]
+def _send_specs(
+    encoded: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    outgoing: list[tuple[int, int]],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[_Works, _ByPeer]:
+    """Posts each outgoing pack's spec; returns the works and the non-empty payloads to send.
 
-        for peer in sorted(set(send_to) | set(recv_from)):
-            if rank < peer:
-                payload_works += post_sends(peer)
-            for p, t in recv_from.get(peer, []):
-                work = dist.irecv(t, peer, group=payload_group, tag=3 * p + 2)
-                pending[p].append(work)
-                payload_works.append((work, f"pack {p} from {peer}"))
-            if rank > peer:
-                payload_works += post_sends(peer)
-        _wait_all(works, deadline, timeout_s)
-        _wait_all(payload_works, deadline, timeout_s, poll=on_cuda)
-        received = {}
-        for p, _ in incoming:
-            if on_cuda:
-                for work in pending[p]:
-                    work.wait()  # the side stream waits for this pack's transfer
-                if ready_events is not None:
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    ready_events[p] = event
-            received[p] = decode_pack(*buffers[p])
-    del sent_headers, encoded
+    On CUDA each payload is first copied to ``device`` and replaces the host one in ``encoded``.
+    """
+    works: _Works = []
+    send_to: _ByPeer = {}
+    for p, dst in outgoing:
+        spec, payload = encoded[p]
+        works.append((dist.isend(spec, dst, group=group, tag=3 * p + 1), f"pack {p} to {dst}"))
+        if payload.numel():
+            if device.type == "cuda":  # keeps the (pinned) host copy alive until the copy ran
+                payload = payload.pin_memory().to(device, non_blocking=True)
+                encoded[p] = (spec, payload)
+            send_to.setdefault(dst, []).append((p, payload))
+    return works, send_to
+
+
+def _recv_specs(
+    headers: dict[int, torch.Tensor],
+    incoming: list[tuple[int, int]],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[_Works, dict[int, tuple[torch.Tensor, torch.Tensor]], _ByPeer]:
+    """Posts each incoming pack's spec receive into buffers sized by its header.
+
+    Returns the works, each pack's ``(spec, payload)`` buffers (the payload on ``device``), and
+    the non-empty payload buffers to receive.
+    """
+    works: _Works = []
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    recv_from: _ByPeer = {}
+    for p, src in incoming:
+        n_spec, n_payload = (int(x) for x in headers[p])
+        spec = torch.empty(n_spec, dtype=torch.uint8)
+        payload = torch.empty(n_payload, dtype=torch.uint8, device=device)
+        buffers[p] = (spec, payload)
+        works.append((dist.irecv(spec, src, group=group, tag=3 * p + 1), f"pack {p} from {src}"))
+        if n_payload:
+            recv_from.setdefault(src, []).append((p, payload))
+    return works, buffers, recv_from
+
+
+def _post_payloads(
+    send_to: _ByPeer, recv_from: _ByPeer, rank: int, payload_group: dist.ProcessGroup | None
+) -> tuple[_Works, dict[int, list[Any]]]:
+    """Posts every payload send and receive, peer by peer: ``(works, receive works by pack)``."""
+    # NCCL runs one pair's operations in posting order on one stream and ignores tags: if both
+    # ends of a swap posted their send first, each send would wait for a receive queued behind
+    # the other's send. The lower rank sends first, the higher receives first; within a pair
+    # both follow the order of ``moves``.
+    works: _Works = []
+    pending: dict[int, list[Any]] = {}
+
+    def post_sends(peer: int) -> _Works:
+        return [
+            (dist.isend(t, peer, group=payload_group, tag=3 * p + 2), f"pack {p} to {peer}")
+            for p, t in send_to.get(peer, [])
+        ]
+
+    for peer in sorted(set(send_to) | set(recv_from)):
+        if rank < peer:
+            works += post_sends(peer)
+        for p, t in recv_from.get(peer, []):
+            work = dist.irecv(t, peer, group=payload_group, tag=3 * p + 2)
+            pending.setdefault(p, []).append(work)
+            works.append((work, f"pack {p} from {peer}"))
+        if rank > peer:
+            works += post_sends(peer)
+    return works, pending
+
+
+def _decode_received(
+    incoming: list[tuple[int, int]],
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    pending: dict[int, list[Any]],
+    on_cuda: bool,
+    stream: Any,
+    ready_events: dict[int, Any] | None,
+) -> dict[int, Any]:
+    """Decodes the received packs; on CUDA, ``stream`` waits for each before its event."""
+    received = {}
+    for p, _ in incoming:
+        if on_cuda:
+            for work in pending.get(p, []):
+                work.wait()  # the side stream waits for this pack's transfer
+            if ready_events is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+                ready_events[p] = event
+        received[p] = decode_pack(*buffers[p])
     return received
 
 

@@ -703,15 +703,12 @@ def _cover_swaps(
 ) -> bool:
     """Swaps that bring overloaded ranks under ``target``, in place; True when all are.
 
-    Per round, every overloaded rank ``a`` (excess ``e``) looks, for each pack ``x`` it holds,
-    at the packs ``y`` held by ranks with room whose cost is at most ``c_x - e`` (the
-    ``_CANDIDATES`` heaviest of them, found by binary search in the sorted pool) and keeps the
-    swap with the smallest difference that the receiving rank has room for. Conflicting
-    choices (one light rank chosen twice) go to the rank with the larger excess; the others
-    retry in the next round with the updated rooms.
+    Per round, every overloaded rank first tries one swap that covers its whole excess
+    (:func:`_covering_swaps`); the ranks left uncovered then make partial swaps with the light
+    ranks no covering swap used (:func:`_partial_swaps`). Rounds stop when every rank fits, when
+    no rank has room, or when a round makes less than 1% progress.
     """
     R, X = held_RX.shape
-    big = np.iinfo(np.int64).max
     ascending_N = _argsort_by_key(cost_N)  # lightest first, ties by index
     holder_N = np.empty(len(cost_N), dtype=np.int64)
     holder_N[held_RX.reshape(-1)] = np.repeat(np.arange(R), X)
@@ -728,73 +725,128 @@ def _cover_swaps(
         has_room = load_R < target
         if not has_room.any():
             return False
-        pool_ranks = np.flatnonzero(has_room)
-        pool = ascending_N[has_room[holder_N[ascending_N]]]  # packs of ranks with room, by cost
-        pool_owner = holder_N[pool]
-        pool_cost = cost_N[pool]
-        room = target - load_R  # (R,), > 0 on pool ranks
-        cx_PX = cost_N[held_RX[over]]
-        excess = (load_R[over] - target)[:, None]
-        top = np.searchsorted(pool_cost, cx_PX - excess, side="right") - 1  # (P, X)
-        cand_PXW = top[:, :, None] - np.arange(_CANDIDATES)[None, None, :]
-        valid = cand_PXW >= 0
-        cand_PXW = np.maximum(cand_PXW, 0)
-        diff_PXW = cx_PX[:, :, None] - pool_cost[cand_PXW]
-        valid &= diff_PXW <= room[pool_owner[cand_PXW]]
-        score = np.where(valid, diff_PXW, big).reshape(len(over), -1)
-        best = np.argmin(score, axis=1)
-        covered = score[np.arange(len(over)), best] < big
-        x, w = best // _CANDIDATES, best % _CANDIDATES
-        slot = cand_PXW[np.arange(len(over)), x, w]
-        # one covering swap per light rank per round, largest excess first
-        heavy, x, slot = over[covered], x[covered], slot[covered]
-        light = pool_owner[slot]
-        first = np.sort(np.unique(light, return_index=True)[1])
-        heavy, x, light = heavy[first], x[first], light[first]
-        y = np.argmax(held_RX[light] == pool[slot[first]][:, None], axis=1)
-        # ranks with no covering swap: the largest partial swaps with unused light ranks, up to
-        # _PARTNERS of them per rank (each with another held pack), largest excess with most room
-        rest = over[~covered]
+        (heavy, light, x, y), rest = _covering_swaps(
+            held_RX, load_R, cost_N, target, over, has_room, ascending_N, holder_N
+        )
+        # a light rank swaps once per round: the partial swaps get the ones not yet used
         used = np.zeros(R, dtype=bool)
         used[light] = True
+        pool_ranks = np.flatnonzero(has_room)
         free = pool_ranks[~used[pool_ranks]]
-        free = free[_argsort_by_key(load_R[free])]  # most room first
-        partners = min(_PARTNERS, len(free) // len(rest)) if len(rest) else 0
-        if len(rest) and not partners:
-            rest = rest[: len(free)]
-            partners = 1 if len(rest) else 0
-        remaining = load_R[rest] - target
-        x_taken = np.zeros((len(rest), X), dtype=bool)
-        cx_PX = cost_N[held_RX[rest]]
-        heavy, light, x, y = [heavy], [light], [x], [y]
-        for j in range(partners):
-            mate = free[j * len(rest) : (j + 1) * len(rest)]
-            diff_PXX = cx_PX[:, :, None] - cost_N[held_RX[mate]][:, None, :]
-            gain = np.minimum(diff_PXX, remaining[:, None, None])
-            ok = (diff_PXX > 0) & (diff_PXX <= room[mate][:, None, None]) & ~x_taken[:, :, None]
-            ok &= remaining[:, None, None] > 0
-            part = np.where(ok, -gain, big).reshape(len(rest), -1)
-            pick = np.argmin(part, axis=1)
-            useful = part[np.arange(len(rest)), pick] < big
-            px, py = pick // X, pick % X
-            x_taken[np.flatnonzero(useful), px[useful]] = True
-            remaining[useful] -= diff_PXX[useful, px[useful], py[useful]]
-            heavy.append(rest[useful])
-            light.append(mate[useful])
-            x.append(px[useful])
-            y.append(py[useful])
-        heavy, light = np.concatenate(heavy), np.concatenate(light)
-        x, y = np.concatenate(x), np.concatenate(y)
+        partial = _partial_swaps(held_RX, load_R, cost_N, target, rest, free)
+        swaps = [(heavy, light, x, y), *partial]
+        heavy, light, x, y = (np.concatenate(parts) for parts in zip(*swaps))
         if not len(heavy):
             return False
-        pack_h, pack_l = held_RX[heavy, x], held_RX[light, y]
-        held_RX[heavy, x] = pack_l
-        held_RX[light, y] = pack_h
-        holder_N[pack_h], holder_N[pack_l] = light, heavy
-        delta = cost_N[pack_h] - cost_N[pack_l]
-        np.add.at(load_R, heavy, -delta)  # a heavy rank may swap with several partners
-        load_R[light] += delta
+        _apply_swaps(held_RX, load_R, holder_N, cost_N, heavy, light, x, y)
     return bool(int(load_R.max()) <= target)
+
+
+def _covering_swaps(
+    held_RX: np.ndarray,
+    load_R: np.ndarray,
+    cost_N: np.ndarray,
+    target: int,
+    over: np.ndarray,
+    has_room: np.ndarray,
+    ascending_N: np.ndarray,
+    holder_N: np.ndarray,
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    """One swap per overloaded rank that covers its excess: ``((heavy, light, x, y), rest)``.
+
+    Each rank ``a`` of ``over`` (largest excess first, excess ``e``) looks, for each pack ``x``
+    it holds, at the packs ``y`` held by ranks with room whose cost is at most ``c_x - e`` (the
+    ``_CANDIDATES`` heaviest of them, found by binary search in the sorted pool) and keeps the
+    swap with the smallest difference that the receiving rank has room for. Conflicting
+    choices (one light rank chosen twice) go to the rank with the larger excess; the others
+    retry in the next round. ``rest``: the ranks with no covering swap, in the order of ``over``.
+    """
+    big = np.iinfo(np.int64).max
+    pool = ascending_N[has_room[holder_N[ascending_N]]]  # packs of ranks with room, by cost
+    pool_owner = holder_N[pool]
+    pool_cost = cost_N[pool]
+    room = target - load_R  # (R,), > 0 on pool ranks
+    cx_PX = cost_N[held_RX[over]]
+    excess = (load_R[over] - target)[:, None]
+    top = np.searchsorted(pool_cost, cx_PX - excess, side="right") - 1  # (P, X)
+    cand_PXW = top[:, :, None] - np.arange(_CANDIDATES)[None, None, :]
+    valid = cand_PXW >= 0
+    cand_PXW = np.maximum(cand_PXW, 0)
+    diff_PXW = cx_PX[:, :, None] - pool_cost[cand_PXW]
+    valid &= diff_PXW <= room[pool_owner[cand_PXW]]
+    score = np.where(valid, diff_PXW, big).reshape(len(over), -1)
+    best = np.argmin(score, axis=1)
+    covered = score[np.arange(len(over)), best] < big
+    x, w = best // _CANDIDATES, best % _CANDIDATES
+    slot = cand_PXW[np.arange(len(over)), x, w]
+    # one covering swap per light rank per round, largest excess first
+    heavy, x, slot = over[covered], x[covered], slot[covered]
+    light = pool_owner[slot]
+    first = np.sort(np.unique(light, return_index=True)[1])
+    heavy, x, light = heavy[first], x[first], light[first]
+    y = np.argmax(held_RX[light] == pool[slot[first]][:, None], axis=1)
+    return (heavy, light, x, y), over[~covered]
+
+
+def _partial_swaps(
+    held_RX: np.ndarray,
+    load_R: np.ndarray,
+    cost_N: np.ndarray,
+    target: int,
+    rest: np.ndarray,
+    free: np.ndarray,
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Partial swaps for the ranks ``rest`` that no one swap covers: ``[(heavy, light, x, y)]``.
+
+    The largest partial swaps with the light ranks ``free``, up to ``_PARTNERS`` of them per
+    rank (each with another held pack), largest excess with most room.
+    """
+    X = held_RX.shape[1]
+    big = np.iinfo(np.int64).max
+    room = target - load_R
+    free = free[_argsort_by_key(load_R[free])]  # most room first
+    partners = min(_PARTNERS, len(free) // len(rest)) if len(rest) else 0
+    if len(rest) and not partners:
+        rest = rest[: len(free)]
+        partners = 1 if len(rest) else 0
+    remaining = load_R[rest] - target
+    x_taken = np.zeros((len(rest), X), dtype=bool)
+    cx_PX = cost_N[held_RX[rest]]
+    swaps = []
+    for j in range(partners):
+        mate = free[j * len(rest) : (j + 1) * len(rest)]
+        diff_PXX = cx_PX[:, :, None] - cost_N[held_RX[mate]][:, None, :]
+        gain = np.minimum(diff_PXX, remaining[:, None, None])
+        ok = (diff_PXX > 0) & (diff_PXX <= room[mate][:, None, None]) & ~x_taken[:, :, None]
+        ok &= remaining[:, None, None] > 0
+        part = np.where(ok, -gain, big).reshape(len(rest), -1)
+        pick = np.argmin(part, axis=1)
+        useful = part[np.arange(len(rest)), pick] < big
+        px, py = pick // X, pick % X
+        x_taken[np.flatnonzero(useful), px[useful]] = True
+        remaining[useful] -= diff_PXX[useful, px[useful], py[useful]]
+        swaps.append((rest[useful], mate[useful], px[useful], py[useful]))
+    return swaps
+
+
+def _apply_swaps(
+    held_RX: np.ndarray,
+    load_R: np.ndarray,
+    holder_N: np.ndarray,
+    cost_N: np.ndarray,
+    heavy: np.ndarray,
+    light: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
+) -> None:
+    """Swaps pack ``held_RX[heavy, x]`` with ``held_RX[light, y]``, pairwise, in place."""
+    pack_h, pack_l = held_RX[heavy, x], held_RX[light, y]
+    held_RX[heavy, x] = pack_l
+    held_RX[light, y] = pack_h
+    holder_N[pack_h], holder_N[pack_l] = light, heavy
+    delta = cost_N[pack_h] - cost_N[pack_l]
+    np.add.at(load_R, heavy, -delta)  # a heavy rank may swap with several partners
+    load_R[light] += delta
 
 
 def _phase2_step(

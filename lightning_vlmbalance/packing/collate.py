@@ -58,6 +58,18 @@ class PackItem(NamedTuple):
     sample: Any
 
 
+class _Layout(NamedTuple):
+    """A pack's samples laid out in ``seq_len`` tokens, and their images."""
+
+    input_ids: torch.Tensor  # (T,), padded
+    labels: torch.Tensor  # (T,)
+    position_ids: torch.Tensor  # (T,)
+    doc_lens: list[int]
+    pixels: list[torch.Tensor]  # each sample's image rows
+    image_sizes: list[int]  # image tokens of each image, in pack order
+    image_positions: list[torch.Tensor]  # each sample's, as indices into the pack's T tokens
+
+
 class PackCollator:
     """Turns the samples of one pack into a ``PackedBatch`` of fixed length ``seq_len``.
 
@@ -104,70 +116,15 @@ class PackCollator:
         """
         pack_id, sample_ids, samples = _unpack_items(items)
         T = self.seq_len
-        input_ids = torch.full((T,), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((T,), IGNORE_INDEX, dtype=torch.long)
-        position_ids = torch.zeros(T, dtype=torch.long)
-        doc_lens: list[int] = []
-        pixels: list[torch.Tensor] = []
-        image_sizes: list[int] = []
-        image_positions: list[torch.Tensor] = []
-        offset = 0
-        for sid, sample in zip(sample_ids, samples):
-            check_sample(sample, sid)
-            ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
-            lab = sample.get("labels")
-            # a copy: the sample's own tensors are never modified
-            lab = ids if lab is None else torch.as_tensor(lab, dtype=torch.long).reshape(-1)
-            lab = lab.clone()
-            if lab.shape != ids.shape:
-                raise ValueError(
-                    f"sample {sid}: labels have {lab.numel()} tokens, input_ids {ids.numel()}"
-                )
-            pos, sizes, pix = _image_fields(sample, sid, ids.numel())
-            if ids.numel() > T:
-                if sizes or not self.truncate_text:
-                    raise ValueError(
-                        f"sample {sid} has {ids.numel()} tokens{' with images' if sizes else ''},"
-                        f" more than `seq_len={T}`"
-                        + (
-                            ": a sample with images is never cut"
-                            if sizes
-                            else "; pass `truncate_text=True` to cut text-only samples"
-                        )
-                    )
-                ids, lab = ids[:T], lab[:T]  # text-only truncation (overlong="truncate")
-            n = ids.numel()
-            if offset + n > T:
-                raise ValueError(
-                    f"pack {pack_id}: sample {sid} ({n} tokens) does not fit, {offset} of"
-                    f" `seq_len={T}` tokens are used already; the packing plan does not match"
-                    " the dataset"
-                )
-            if sizes:
-                lab[pos] = IGNORE_INDEX
-                pixels.append(pix)
-                image_sizes.extend(sizes)
-                image_positions.append(pos + offset)
-            lab[0] = IGNORE_INDEX  # never predict the first token of a document from the last one
-            input_ids[offset : offset + n] = ids
-            labels[offset : offset + n] = lab
-            position_ids[offset : offset + n] = torch.arange(n)
-            doc_lens.append(n)
-            offset += n
-        if offset < T:
-            position_ids[offset:] = torch.arange(T - offset)
+        input_ids, labels, position_ids, doc_lens, pixels, image_sizes, image_positions = (
+            self._lay_out(pack_id, sample_ids, samples)
+        )
+        offset = sum(doc_lens)  # tokens used; the rest is padding
         segments = doc_lens + ([T - offset] if offset < T else [])
         cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
         cu_seqlens[1:] = torch.cumsum(torch.tensor(segments, dtype=torch.int32), 0)
 
-        if pixels:
-            pixel_values = torch.cat(pixels).to(self.pixel_dtype)
-            if self.image_feature_shape is None:
-                self.image_feature_shape = tuple(pixel_values.shape[1:])
-        else:
-            pixel_values = torch.zeros(
-                (0, *(self.image_feature_shape or ())), dtype=self.pixel_dtype
-            )
+        pixel_values = self._pixel_values(pixels)
         image_cu = torch.zeros(len(image_sizes) + 1, dtype=torch.int32)
         if image_sizes:
             image_cu[1:] = torch.cumsum(torch.tensor(image_sizes, dtype=torch.int32), 0)
@@ -199,6 +156,82 @@ class PackCollator:
                 "weighted_for": (1, 1),
             },
         }
+
+    def _lay_out(self, pack_id: int, sample_ids: list[int], samples: list[dict]) -> _Layout:
+        """Places the samples one after another in ``seq_len`` tokens, the tail as padding."""
+        T = self.seq_len
+        input_ids = torch.full((T,), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((T,), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros(T, dtype=torch.long)
+        doc_lens: list[int] = []
+        pixels: list[torch.Tensor] = []
+        image_sizes: list[int] = []
+        image_positions: list[torch.Tensor] = []
+        offset = 0
+        for sid, sample in zip(sample_ids, samples):
+            ids, lab, pos, sizes, pix = self._read_sample(sample, sid)
+            n = ids.numel()
+            if offset + n > T:
+                raise ValueError(
+                    f"pack {pack_id}: sample {sid} ({n} tokens) does not fit, {offset} of"
+                    f" `seq_len={T}` tokens are used already; the packing plan does not match"
+                    " the dataset"
+                )
+            if sizes:
+                lab[pos] = IGNORE_INDEX
+                pixels.append(pix)
+                image_sizes.extend(sizes)
+                image_positions.append(pos + offset)
+            lab[0] = IGNORE_INDEX  # never predict the first token of a document from the last one
+            input_ids[offset : offset + n] = ids
+            labels[offset : offset + n] = lab
+            position_ids[offset : offset + n] = torch.arange(n)
+            doc_lens.append(n)
+            offset += n
+        if offset < T:
+            position_ids[offset:] = torch.arange(T - offset)
+        return _Layout(
+            input_ids, labels, position_ids, doc_lens, pixels, image_sizes, image_positions
+        )
+
+    def _read_sample(
+        self, sample: Any, sid: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], torch.Tensor | None]:
+        """Checks sample ``sid`` and reads its tokens, labels (a copy) and image fields."""
+        T = self.seq_len
+        check_sample(sample, sid)
+        ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
+        lab = sample.get("labels")
+        # a copy: the sample's own tensors are never modified
+        lab = ids if lab is None else torch.as_tensor(lab, dtype=torch.long).reshape(-1)
+        lab = lab.clone()
+        if lab.shape != ids.shape:
+            raise ValueError(
+                f"sample {sid}: labels have {lab.numel()} tokens, input_ids {ids.numel()}"
+            )
+        pos, sizes, pix = _image_fields(sample, sid, ids.numel())
+        if ids.numel() > T:
+            if sizes or not self.truncate_text:
+                raise ValueError(
+                    f"sample {sid} has {ids.numel()} tokens{' with images' if sizes else ''},"
+                    f" more than `seq_len={T}`"
+                    + (
+                        ": a sample with images is never cut"
+                        if sizes
+                        else "; pass `truncate_text=True` to cut text-only samples"
+                    )
+                )
+            ids, lab = ids[:T], lab[:T]  # text-only truncation (overlong="truncate")
+        return ids, lab, pos, sizes, pix
+
+    def _pixel_values(self, pixels: list[torch.Tensor]) -> torch.Tensor:
+        """The pack's image rows, or an empty ``(0, *image_feature_shape)`` tensor without any."""
+        if pixels:
+            pixel_values = torch.cat(pixels).to(self.pixel_dtype)
+            if self.image_feature_shape is None:
+                self.image_feature_shape = tuple(pixel_values.shape[1:])
+            return pixel_values
+        return torch.zeros((0, *(self.image_feature_shape or ())), dtype=self.pixel_dtype)
 
 
 def check_sample(sample: Any, sid: int) -> None:
