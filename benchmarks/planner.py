@@ -56,25 +56,8 @@ from lightning_vlmbalance.balance import (
     plan_rebalance,
 )
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
+from lightning_vlmbalance.sim.cli import comma_list
 from lightning_vlmbalance.synthetic import LengthTable
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from err
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: values must be >= 1")
-    return values
-
-
-def _objectives(text: str) -> list[str]:
-    values = [v for v in text.split(",") if v]
-    bad = [v for v in values if v not in OBJECTIVES]
-    if bad or not values:
-        raise argparse.ArgumentTypeError(f"{text!r}: objectives are {', '.join(OBJECTIVES)}")
-    return values
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -82,9 +65,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", action="append", type=Path, default=None, metavar="CSV")
     parser.add_argument("--text-share", type=float, required=True, metavar="F")
     parser.add_argument("--seq-len", type=int, default=8192, metavar="N")
-    parser.add_argument("--dp", type=_int_list, required=True, metavar="N[,N...]")
-    parser.add_argument("--ga", type=_int_list, required=True, metavar="M[,M...]")
-    parser.add_argument("--objective", type=_objectives, default=["microstep"], metavar="O[,O...]")
+    parser.add_argument("--dp", type=comma_list(int, minimum=1), required=True, metavar="N[,N...]")
+    parser.add_argument("--ga", type=comma_list(int, minimum=1), required=True, metavar="M[,M...]")
+    parser.add_argument(
+        "--objective",
+        type=comma_list(choices=OBJECTIVES),
+        default=["microstep"],
+        metavar="O[,O...]",
+    )
     parser.add_argument("--tolerance", type=float, default=0.0, metavar="T")
     parser.add_argument("--batches", type=int, default=4, metavar="B", help="global batches")
     parser.add_argument("--repeat", type=int, default=3, metavar="R", help="timed plan calls")

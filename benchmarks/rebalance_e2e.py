@@ -10,9 +10,17 @@ all-gather, planner, exchange over a dedicated gloo group, background thread in 
 one all-reduce on the default group at the end of every global batch: DDP's gradient sync, where
 every rank waits for the slowest (so the objective is ``"step"``).
 
+Reading is the same in every mode: a reader thread builds the packs ``--read-ahead`` global
+batches ahead (real training reads and collates in DataLoader workers while the GPU computes), so
+the modes differ only in what the loader does per global batch: the feature all-gather (every
+mode: the loss needs the global batch's token count), then planning and exchange (``sync``: in
+line; ``overlap``: in the loader's background thread, which also moves the all-gather out of
+line). ``--read-ahead 0`` reads in line, as this benchmark did before 2026-11-30, when ``off``
+and ``sync`` paid the reading of every global batch and ``overlap`` hid it.
+
 Per mode it prints ``steps_per_s`` (optimizer steps per second after ``--warmup`` steps),
 ``waste_measured`` (1 - mean busy time / step time, over ranks), ``exposed_exchange_ms`` (median
-time a rank waited for a rebalanced global batch), ``predicted_gain`` (the planner's step time
+time a rank waited for the loader's next global batch), ``predicted_gain`` (the planner's step time
 without over with rebalancing, minus 1, summed over the measured steps) and ``measured_gain``
 (``steps_per_s`` over that of ``off`` in the same invocation, minus 1). ``--mode`` takes a comma
 list; ``off`` is always run first as the reference.
@@ -33,21 +41,30 @@ import argparse
 import datetime
 import json
 import math
-import multiprocessing as mp
 import platform
-import queue as queue_mod
-import socket
+import queue
 import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.multiproc
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/packing.py
 
 from packing import BenchmarkError, load
+
+from lightning_vlmbalance.sim.cli import comma_list
+from tests.multiproc import run_ranks
+
+MODES = ("off", "sync", "overlap")
+COMPUTE_PHASES = ("vision_fwd", "llm_fwd", "backward")
+EXCHANGE_TIMEOUT_S = 120.0
+GRACE_S = 15.0  # after a rank failed: how much longer than EXCHANGE_TIMEOUT_S the others get
+_END = object()  # the reader thread's end of the source
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -59,7 +76,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ga", type=int, default=8, help="micro-batches per rank per optimizer step")
     p.add_argument("--steps", type=int, default=30, help="measured optimizer steps")
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps before the clock")
-    p.add_argument("--mode", default="overlap", help="comma list of off, sync, overlap")
+    p.add_argument(
+        "--mode",
+        type=comma_list(choices=MODES),
+        default=["overlap"],
+        metavar="M[,M...]",
+        help="comma list of off, sync, overlap (off always runs first)",
+    )
+    p.add_argument(
+        "--read-ahead",
+        type=int,
+        default=2,
+        metavar="B",
+        help="global batches read and built ahead by a reader thread, in every mode"
+        " (0: in line, as before 2026-11-30)",
+    )
     p.add_argument("--time-scale", type=float, default=0.01, help="sleep = cost x this")
     p.add_argument("--pixel-dim", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -72,15 +103,62 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    modes = [m for m in args.mode.split(",") if m]
-    bad = [m for m in modes if m not in ("off", "sync", "overlap")]
-    if bad or not modes:
-        p.error(f"--mode {args.mode!r}: modes are off, sync, overlap")
-    args.modes = ["off"] + [m for m in modes if m != "off"]
-    if args.ranks < 2 or args.ga < 1 or args.steps < 1 or args.warmup < 0:
-        p.error("need --ranks >= 2, --ga >= 1, --steps >= 1, --warmup >= 0")
+    args.modes = ["off"] + [m for m in dict.fromkeys(args.mode) if m != "off"]
+    if args.ranks < 2 or args.ga < 1 or args.steps < 1 or args.warmup < 0 or args.read_ahead < 0:
+        p.error("need --ranks >= 2, --ga >= 1, --steps >= 1, --warmup >= 0, --read-ahead >= 0")
     args.window = 4096
     return args
+
+
+class ReadAhead:
+    """Iterates ``source`` in a reader thread that keeps up to ``depth`` batches ready.
+
+    Stands for the DataLoader workers of real training, which read and collate the next batches
+    while the GPU computes the current one. Every mode gets the same read-ahead, so what differs
+    between modes is the rebalancing alone. ``depth`` 0: ``source`` is read in line.
+    """
+
+    def __init__(self, source: EmulatedPacks, depth: int) -> None:
+        self.source, self.depth = source, depth
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.depth == 0:
+            yield from self.source
+            return
+        ready: queue.Queue[Any] = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def read() -> None:
+            try:
+                for batch in self.source:
+                    if not put(batch):
+                        return
+                put(_END)
+            except BaseException as err:  # raised in the consumer
+                put(err)
+
+        reader = threading.Thread(target=read, name="e2e-read-ahead", daemon=True)
+        reader.start()
+        try:
+            while (item := ready.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            reader.join()
 
 
 class EmulatedPacks:
@@ -120,166 +198,178 @@ class EmulatedPacks:
             }
 
 
-def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Namespace, q) -> None:
+# -- one rank ---------------------------------------------------------------------------------
+
+
+def _rank_packs(rank: int, world: int, args: argparse.Namespace) -> EmulatedPacks:
+    """This rank's first ``(--warmup + --steps) * --ga`` packs of the real epoch plan."""
+    from lightning_vlmbalance.packing import PackingConfig, build_epoch_plan
+
+    table, _ = load(args)
+    total = np.asarray(table.total_tokens, dtype=np.int64)
+    keep = total <= args.seq_len
+    total = total[keep]
+    image = np.asarray(table.image_tokens, dtype=np.int64)[keep]
+    images = np.asarray(table.images, dtype=np.int64)[keep]
+    plan = build_epoch_plan(
+        total, image, PackingConfig(seq_len=args.seq_len, seed=args.seed), world_size=world, epoch=0
+    )
+    need = (args.steps + args.warmup) * args.ga
+    if plan.packs_per_rank < need:
+        raise BenchmarkError(
+            f"the data gives {plan.packs_per_rank} packs per rank, {need} needed: lower"
+            " --steps or --ranks"
+        )
+    return EmulatedPacks(plan.rank_packs[rank][:need], total, image, images, args.pixel_dim)
+
+
+def _compute(batch: dict[str, Any], model: Any, time_scale: float) -> dict[str, Any]:
+    """Emulates the GPU-bound compute of one micro-batch: sleeps for its predicted phases.
+
+    Returns the features StragglerMonitor records for the micro-batch, in its schema, with the
+    slept ``<phase>_ms``.
+    """
+    from lightning_vlmbalance.balance import FEATURES, features_from_meta
+
+    record = {"pack_id": batch["meta"]["pack_id"], **features_from_meta(batch["meta"])}
+    phases = {k: float(v[0]) for k, v in model.predict({k: [record[k]] for k in FEATURES}).items()}
+    sleeps = {
+        "vision_fwd": phases["vision_fwd"],
+        "llm_fwd": phases["llm_fwd"],
+        "backward": phases["vision_bwd"] + phases["llm_bwd"],
+    }
+    for phase, ms in sleeps.items():
+        start = time.perf_counter()
+        time.sleep(ms * time_scale / 1e3)
+        record[f"{phase}_ms"] = (time.perf_counter() - start) * 1e3
+    return record
+
+
+def _busy_s(record: dict[str, Any]) -> float:
+    return sum(record[f"{phase}_ms"] for phase in COMPUTE_PHASES) / 1e3
+
+
+def _step_line(
+    rank: int, world: int, step: int, step_ms: float, micro: list[dict[str, Any]]
+) -> str:
+    """One optimizer step in StragglerMonitor's JSON-lines schema."""
+    return json.dumps(
+        {
+            "v": 1,
+            "rank": rank,
+            "world_size": world,
+            "global_step": step,
+            "micro_batches": len(micro),
+            "step_ms": step_ms,
+            "micro": micro,
+        }
+    )
+
+
+def _train(
+    loader: Iterable[dict[str, Any]],
+    model: Any,
+    args: argparse.Namespace,
+    rank: int,
+    world: int,
+    timings: IO[str] | None,
+) -> tuple[float, float]:
+    """The emulated training loop: compute every micro-batch, all-reduce after each optimizer
+    step (DDP's gradient sync: every rank waits for the slowest). Returns ``(wall, busy)``
+    seconds of the measured steps (after a barrier at ``--warmup``)."""
     import torch
     import torch.distributed as dist
 
-    from lightning_vlmbalance.balance import CostModel, RebalancingLoader
-    from lightning_vlmbalance.balance.cost import FEATURES
-    from lightning_vlmbalance.callbacks.straggler_monitor import pack_features
-    from lightning_vlmbalance.packing import PackingConfig, build_epoch_plan
+    sync = torch.zeros(1)
+    busy, t0, last_step_end = 0.0, 0.0, 0.0
+    micro_records: list[dict[str, Any]] = []
+    for i, batch in enumerate(loader):
+        step, micro = divmod(i, args.ga)
+        measured = step >= args.warmup
+        if micro == 0 and step == args.warmup:
+            dist.barrier()
+            t0 = last_step_end = time.perf_counter()
+        record = _compute(batch, model, args.time_scale)
+        if measured:
+            busy += _busy_s(record)
+            micro_records.append(record)
+        if micro == args.ga - 1:
+            dist.all_reduce(sync)
+            if measured and timings is not None:
+                now = time.perf_counter()
+                step_ms = (now - last_step_end) * 1e3
+                timings.write(_step_line(rank, world, step, step_ms, micro_records) + "\n")
+                last_step_end = now
+            micro_records = []
+    return time.perf_counter() - t0, busy
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+
+def _timings_file(args: argparse.Namespace, mode: str, rank: int) -> IO[str] | None:
+    if args.timings_dir is None:
+        return None
+    folder = args.timings_dir / mode
+    folder.mkdir(parents=True, exist_ok=True)
+    return open(folder / f"rank_{rank}.jsonl", "w")
+
+
+def _rank_main(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One emulated rank of one mode (run by ``tests.multiproc.run_ranks``)."""
+    import torch.distributed as dist
+
+    from lightning_vlmbalance.balance import CostModel, RebalancingLoader
+
+    model = CostModel()
+    loader = RebalancingLoader(
+        ReadAhead(_rank_packs(rank, world, args), depth=args.read_ahead * args.ga),
+        micro_steps=args.ga,
+        world_size=world,
+        rank=rank,
+        group=dist.new_group(backend="gloo"),
+        objective="step",
+        mode=mode,
+        cost_model=model,
+        exchange_timeout_s=EXCHANGE_TIMEOUT_S,
     )
+    timings = _timings_file(args, mode, rank)
     try:
-        table, _ = load(args)
-        total = np.asarray(table.total_tokens, dtype=np.int64)
-        keep = total <= args.seq_len
-        total = total[keep]
-        image = np.asarray(table.image_tokens, dtype=np.int64)[keep]
-        images = np.asarray(table.images, dtype=np.int64)[keep]
-        plan = build_epoch_plan(
-            total,
-            image,
-            PackingConfig(seq_len=args.seq_len, seed=args.seed),
-            world_size=world,
-            epoch=0,
-        )
-        need = (args.steps + args.warmup) * args.ga
-        if plan.packs_per_rank < need:
-            raise BenchmarkError(
-                f"the data gives {plan.packs_per_rank} packs per rank, {need} needed: lower"
-                " --steps or --ranks"
-            )
-        packs = plan.rank_packs[rank][:need]
-        source = EmulatedPacks(packs, total, image, images, args.pixel_dim)
-        model = CostModel()
-        group = dist.new_group(backend="gloo")
-        loader = RebalancingLoader(
-            source,
-            micro_steps=args.ga,
-            world_size=world,
-            rank=rank,
-            group=group,
-            objective="step",
-            mode=mode,
-            cost_model=model,
-            exchange_timeout_s=120,
-        )
-        sync = torch.zeros(1)
-        micro_records: list[dict[str, Any]] = []
-        timings = None
-        if args.timings_dir is not None:
-            folder = args.timings_dir / mode
-            folder.mkdir(parents=True, exist_ok=True)
-            timings = open(folder / f"rank_{rank}.jsonl", "w")
-        busy = 0.0
-        step_start = None
-        t0 = 0.0
-        for i, batch in enumerate(loader):
-            step, micro = divmod(i, args.ga)
-            if micro == 0 and step == args.warmup:
-                dist.barrier()
-                t0 = time.perf_counter()
-                last_step_end = t0
-                busy = 0.0
-                step_start = step
-            # the features StragglerMonitor records for this micro-batch, in its schema
-            record = pack_features(batch["meta"])
-            feats = {k: [record[k]] for k in FEATURES}
-            phases = {k: float(v[0]) for k, v in model.predict(feats).items()}
-            sleeps = {  # the GPU-bound compute of this micro-batch, phase by phase
-                "vision_fwd": phases["vision_fwd"],
-                "llm_fwd": phases["llm_fwd"],
-                "backward": phases["vision_bwd"] + phases["llm_bwd"],
-            }
-            for phase, ms in sleeps.items():
-                start = time.perf_counter()
-                time.sleep(ms * args.time_scale / 1e3)
-                record[f"{phase}_ms"] = (time.perf_counter() - start) * 1e3
-            seconds = sum(record[f"{phase}_ms"] for phase in sleeps) / 1e3
-            if step_start is not None:
-                busy += seconds
-                micro_records.append(record)
-            if micro == args.ga - 1:
-                dist.all_reduce(sync)  # DDP's gradient all-reduce: wait for the slowest rank
-                if timings is not None and step_start is not None:
-                    now = time.perf_counter()
-                    timings.write(
-                        json.dumps(
-                            {
-                                "v": 1,
-                                "rank": rank,
-                                "world_size": world,
-                                "global_step": step,
-                                "micro_batches": args.ga,
-                                "step_ms": (now - last_step_end) * 1e3,
-                                "micro": micro_records,
-                            }
-                        )
-                        + "\n"
-                    )
-                    last_step_end = now
-                micro_records = []
-        wall = time.perf_counter() - t0
+        wall, busy = _train(loader, model, args, rank, world, timings)
+    finally:
         if timings is not None:
             timings.close()
-        stats = list(loader.stats)[args.warmup :]
-        q.put(
-            (
-                rank,
-                "ok",
-                {
-                    "wall_s": wall,
-                    "busy_s": busy,
-                    "steps": args.steps,
-                    "exposed_ms": [s["exposed_exchange_ms"] for s in stats],
-                    "exchange_ms": [s["exchange_ms"] for s in stats],
-                    "moved": sum(s["moved_packs"] for s in stats),
-                    "baseline_value": sum(s.get("baseline_value", 0.0) for s in stats),
-                    "planned_value": sum(s.get("planned_value", 0.0) for s in stats),
-                },
-            )
-        )
-    except BaseException as err:  # reported, never swallowed
-        q.put((rank, "error", f"{type(err).__name__}: {err}"))
-    finally:
-        dist.destroy_process_group()
+    stats = list(loader.stats)[args.warmup :]
+    return {
+        "wall_s": wall,
+        "busy_s": busy,
+        "exposed_ms": [s["exposed_exchange_ms"] for s in stats],
+        "exchange_ms": [s["exchange_ms"] for s in stats],
+        "moved": sum(s["moved_packs"] for s in stats),
+        "baseline_value": sum(s.get("baseline_value", 0.0) for s in stats),
+        "planned_value": sum(s.get("planned_value", 0.0) for s in stats),
+    }
+
+
+# -- the parent -------------------------------------------------------------------------------
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.ranks, port, mode, args, q))
-        for r in range(args.ranks)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + args.timeout
-    while len(out) < args.ranks and time.monotonic() < deadline:
-        try:
-            rank, status, payload = q.get(timeout=1.0)
-        except queue_mod.Empty:
-            if all(not p.is_alive() for p in procs):
-                break
-            continue
-        if status != "ok":
+    res = run_ranks(
+        _rank_main,
+        args.ranks,
+        mode,
+        args,
+        timeout=args.timeout,
+        grace_s=EXCHANGE_TIMEOUT_S + GRACE_S,
+    )
+    for rank, (status, payload) in sorted(res.items()):
+        if status == "error":
             raise BenchmarkError(f"mode {mode}: rank {rank} failed: {payload}")
-        out[rank] = payload
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    if len(out) < args.ranks:
-        missing = sorted(set(range(args.ranks)) - set(out))
-        raise BenchmarkError(f"mode {mode}: ranks {missing} did not report within the timeout")
+    missing = sorted(r for r, (status, _) in res.items() if status != "ok")
+    if missing:
+        raise BenchmarkError(
+            f"mode {mode}: ranks {missing} did not report within the timeout (exit codes"
+            f" {[res[r][1] for r in missing]})"
+        )
+    out = {r: payload for r, (_, payload) in res.items()}
     wall = max(o["wall_s"] for o in out.values())
     busy = np.array([o["busy_s"] for o in out.values()])
     exposed = [x for o in out.values() for x in o["exposed_ms"]]
@@ -314,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             r["gain_realised"] = round(r["measured_gain"] / r["predicted_gain"], 3)
     print(
         f"ranks={args.ranks} ga={args.ga} steps={args.steps} text_share={args.text_share}"
-        f" time_scale={args.time_scale}"
+        f" time_scale={args.time_scale} read_ahead={args.read_ahead}"
     )
     print(
         f"{'mode':>8} {'steps/s':>8} {'step ms':>8} {'ideal':>8} {'waste':>7} {'exposed':>8}"
@@ -344,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "text_share": args.text_share,
                     "time_scale": args.time_scale,
                     "pixel_dim": args.pixel_dim,
+                    "read_ahead": args.read_ahead,
                     "date": datetime.date.today().isoformat(),
                     "python": platform.python_version(),
                     "torch": torch.__version__,

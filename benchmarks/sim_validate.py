@@ -63,6 +63,7 @@ def main() -> None:
                 *("--text-share", str(args.text_share), "--seq-len", str(args.seq_len)),
                 *("--time-scale", str(args.time_scale), "--seed", str(args.seed)),
                 *("--timings-dir", str(folder), "--json"),
+                *("--read-ahead", "0"),  # as recorded: reading in line in every mode
             ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
             report = json.loads(out.stdout.strip().splitlines()[-1])

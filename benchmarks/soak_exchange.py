@@ -54,20 +54,22 @@ import argparse
 import ctypes
 import datetime
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue as queue_mod
-import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.multiproc import run_ranks  # the spawn harness the tests use
 
 EXCHANGE_THREAD = "vlmbalance-exchange"
 IMAGE_CHUNK = 64  # image tokens per image-size unit
@@ -339,76 +341,31 @@ def soak(rank: int, world: int, group: Any, args: argparse.Namespace) -> dict[st
     }
 
 
-def _rank_entry(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+def _rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=max(args.exchange_timeout_s, 120.0)),
-        )
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.exchange_timeout_s))
-        out.put((rank, "ok", soak(rank, world, group, args)))
-    except BaseException as err:  # reported to the parent, never swallowed
-        out.put((rank, "error", f"{type(err).__name__}: {err}"))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.exchange_timeout_s))
+    return soak(rank, world, group, args)
 
 
 # -- the parent -------------------------------------------------------------------------------
 
 
-def run_ranks(args: argparse.Namespace) -> dict[int, tuple[str, Any]]:
+def run_soak(args: argparse.Namespace) -> dict[int, tuple[str, Any]]:
     """``{rank: ("ok", result) | ("error", message) | ("missing", exit code)}``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    env: dict[str, str] = {}
     if args.malloc_mmap_threshold is not None:  # read by glibc when a rank starts
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_entry, args=(r, args.ranks, port, args, out), daemon=True)
-        for r in range(args.ranks)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + args.timeout_s
-    failed_at: float | None = None
-    while len(results) < args.ranks:
-        now = time.monotonic()
-        if now > deadline:
-            print(f"error: --timeout-s {args.timeout_s:g} passed", file=sys.stderr)
-            break
-        if failed_at is not None and now > failed_at + args.exchange_timeout_s + GRACE_S:
-            break
-        try:
-            rank, status, payload = out.get(timeout=0.5)
-        except queue_mod.Empty:
-            for r, p in enumerate(procs):  # dead without a report (its report would be queued)
-                if r not in results and not p.is_alive():
-                    results[r] = ("missing", p.exitcode)
-                    failed_at = failed_at or time.monotonic()
-            continue
-        results[rank] = (status, payload)
-        if status != "ok":
-            failed_at = failed_at or time.monotonic()
-    for p in procs:
-        p.join(timeout=5.0)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    for r, p in enumerate(procs):
-        results.setdefault(r, ("missing", p.exitcode))
-    return results
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    return run_ranks(
+        _rank_main,
+        args.ranks,
+        args,
+        timeout=args.timeout_s,
+        env=env,
+        pg_timeout_s=max(args.exchange_timeout_s, 120.0),
+        grace_s=args.exchange_timeout_s + GRACE_S,
+        daemon=True,
+    )
 
 
 def _growth(samples: list[dict[str, Any]], warmup: int) -> float:
@@ -506,8 +463,10 @@ def _mib(value: float | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
-    results = run_ranks(args)
+    results = run_soak(args)
     seconds = time.perf_counter() - start
+    if seconds >= args.timeout_s:
+        print(f"error: --timeout-s {args.timeout_s:g} passed", file=sys.stderr)
     versions = {
         "date": datetime.date.today().isoformat(),
         "python": platform.python_version(),

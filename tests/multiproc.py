@@ -1,32 +1,45 @@
 """Runs a function on N spawned processes joined by a real gloo process group.
 
-Each process calls ``target(rank, world_size, *args)`` after ``init_process_group("gloo")`` and
-returns a picklable result; :func:`run_ranks` returns ``{rank: ("ok", result)}`` or
-``{rank: ("error", "<ExceptionType>: message")}``. A process that dies without reporting
-(killed, or stuck past ``timeout``) shows up as ``("missing", exitcode)``.
+Each process calls ``target(rank, world_size, *args)`` after ``torch.set_num_threads(1)`` and
+``init_process_group("gloo")`` on a free local port, and returns a picklable result;
+:func:`run_ranks` returns ``{rank: ("ok", result)}`` or ``{rank: ("error", "<ExceptionType>:
+message")}``. A process that dies without reporting (killed, ``os._exit``, or stuck past
+``timeout`` and then killed) shows up as ``("missing", exitcode)``.
+
+The tests and the multi-process benchmarks (``benchmarks/soak_exchange.py``,
+``benchmarks/rebalance_e2e.py``) share this one harness; the keyword options are what the
+benchmarks need beyond the tests' defaults.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
+_JOIN_AFTER_FAILURE_S = 5.0  # how long a rank that outlived the grace period gets to exit
 
-def _entry(target, rank, world, port, queue, args) -> None:
+
+def _entry(target, rank, world, port, pg_timeout_s, queue, args) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
     try:
+        init: dict[str, Any] = {}
+        if pg_timeout_s is not None:
+            init["timeout"] = timedelta(seconds=pg_timeout_s)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **init
+        )
         queue.put((rank, "ok", target(rank, world, *args)))
-    except BaseException as err:  # reported to the test, never swallowed
+    except BaseException as err:  # reported to the caller, never swallowed
         queue.put((rank, "error", f"{type(err).__name__}: {err}"))
     finally:
         try:
@@ -35,30 +48,88 @@ def _entry(target, rank, world, port, queue, args) -> None:
             pass
 
 
-def run_ranks(
-    target: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0
-) -> dict[int, tuple[str, Any]]:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environ(extra: Mapping[str, str] | None) -> Iterator[None]:
+    """``os.environ`` plus ``extra`` while the ranks start (a spawned process copies it then)."""
+    saved = {k: os.environ.get(k) for k in extra or {}}
+    os.environ.update(extra or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_ranks(
+    target: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    pg_timeout_s: float | None = None,
+    grace_s: float | None = None,
+    daemon: bool = False,
+) -> dict[int, tuple[str, Any]]:
+    """Runs ``target(rank, world, *args)`` on ``world`` spawned ranks; see the module docstring.
+
+    Args:
+        target: a module-level (picklable) function.
+        world: number of ranks.
+        *args: picklable arguments passed to every rank after ``rank, world``.
+        timeout: deadline of the whole run in seconds; ranks still alive then are killed.
+        env: extra environment variables of the ranks (set in the parent only while they start;
+            e.g. ``MALLOC_MMAP_THRESHOLD_``, which glibc reads when a process starts).
+        pg_timeout_s: timeout of the default process group (torch's default when ``None``).
+        grace_s: once one rank has failed (reported an error, or died without reporting), how
+            long the others get to report before they are killed; ``None``: until ``timeout``.
+        daemon: start the ranks as daemon processes (killed if this process exits; a daemon
+            rank cannot start processes of its own).
+    """
+    port = _free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_entry, args=(target, r, world, port, queue, args)) for r in range(world)
+        ctx.Process(
+            target=_entry, args=(target, r, world, port, pg_timeout_s, queue, args), daemon=daemon
+        )
+        for r in range(world)
     ]
-    for p in procs:
-        p.start()
+    with _environ(env):
+        for p in procs:
+            p.start()
     out: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    gave_up = False
     while len(out) < world and time.monotonic() < deadline:
+        if failed_at is not None and time.monotonic() > failed_at + grace_s:
+            gave_up = True
+            break
         try:
             rank, status, payload = queue.get(timeout=0.5)
-            out[rank] = (status, payload)
         except queue_mod.Empty:
             if all(not p.is_alive() for p in procs) and queue.empty():
                 break
+            # a rank dead without a report (its report would have been queued) has failed
+            if grace_s is not None and failed_at is None:
+                if any(r not in out and not p.is_alive() for r, p in enumerate(procs)):
+                    failed_at = time.monotonic()
+            continue
+        out[rank] = (status, payload)
+        if status != "ok" and grace_s is not None and failed_at is None:
+            failed_at = time.monotonic()
     for p in procs:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
+        wait = _JOIN_AFTER_FAILURE_S if gave_up else max(1.0, deadline - time.monotonic())
+        p.join(timeout=wait)
         if p.is_alive():
             p.kill()
             p.join()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,24 +38,44 @@ _COLUMNS = (
 )
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma list of integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
+def comma_list(
+    item: Callable[[str], Any] = str,
+    *,
+    choices: Sequence[Any] | None = None,
+    minimum: Any = None,
+) -> Callable[[str], list[Any]]:
+    """An argparse ``type`` that reads a comma-separated list: ``"8,64"`` -> ``[8, 64]``.
 
+    Empty items are skipped (``"8,"`` is ``[8]``); the list must not be empty.
 
-def _strategies(text: str) -> list[str]:
-    values = [v for v in text.split(",") if v]
-    bad = [v for v in values if v not in STRATEGIES]
-    if bad or not values:
-        raise argparse.ArgumentTypeError(f"strategies are {', '.join(STRATEGIES)}; got {text!r}")
-    return values
+    Args:
+        item: converts one item (``int``, ``float``, ``str``, ...).
+        choices: the allowed values, if restricted.
+        minimum: the smallest allowed value, if bounded.
+
+    Example::
+
+        parser.add_argument("--dp", type=comma_list(int, minimum=1), default=[8, 64])
+        parser.add_argument("--mode", type=comma_list(choices=("off", "sync", "overlap")))
+    """
+    kind = "integers" if item is int else "numbers" if item is float else "values"
+
+    def parse(text: str) -> list[Any]:
+        try:
+            values = [item(v) for v in text.split(",") if v]
+        except ValueError:
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {kind}, got {text!r}")
+        if choices is not None and any(v not in choices for v in values):
+            raise argparse.ArgumentTypeError(
+                f"expected a comma list of {', '.join(map(str, choices))}; got {text!r}"
+            )
+        if minimum is not None and min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected {kind} >= {minimum}, got {text!r}")
+        return values
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--data", action="append", type=Path, required=True, metavar="CSV")
     run.add_argument("--text-share", type=float, default=None, metavar="F")
     run.add_argument("--seq-len", type=int, default=8192)
-    run.add_argument("--dp", type=_ints, default=[8, 64, 512])
-    run.add_argument("--ga", type=_ints, default=[1, 8])
-    run.add_argument("--strategies", type=_strategies, default=list(STRATEGIES))
+    run.add_argument("--dp", type=comma_list(int, minimum=1), default=[8, 64, 512])
+    run.add_argument("--ga", type=comma_list(int, minimum=1), default=[1, 8])
+    run.add_argument("--strategies", type=comma_list(choices=STRATEGIES), default=list(STRATEGIES))
     run.add_argument("--cost-model", type=Path, default=None, metavar="FILE")
     run.add_argument("--batches", type=int, default=32, help="global batches per configuration")
     run.add_argument("--sync-every", choices=SYNC_EVERY, default="step")
