@@ -32,3 +32,31 @@ def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.Comple
     proc = run_module_raw(module, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+def run_modules(jobs: list[tuple[str, ...]], *, parallel: int = 2, timeout: int = 600) -> None:
+    """Runs several ``python -m module *args`` jobs, ``parallel`` at a time (independent fits of
+    a module fixture: their start-up, mostly imports, overlaps); any non-zero exit fails."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    pending, running, failed = list(jobs), [], []
+    while pending or running:
+        while pending and len(running) < parallel:
+            module, *args = pending.pop(0)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            running.append((proc, (module, *args)))
+        proc, job = running.pop(0)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        if proc.returncode != 0:
+            failed.append(f"{' '.join(job)}: exit {proc.returncode}\n{out[-4000:]}")
+    assert not failed, "\n\n".join(failed)

@@ -57,9 +57,10 @@ def _loader_job(rank: int, world: int, mode: str, micro_steps: int) -> dict:
     }
 
 
-@pytest.mark.parametrize(("mode", "G"), [("sync", 4), ("overlap", 4), ("off", 4), ("overlap", 7)])
+@pytest.mark.parametrize(("mode", "G"), [("overlap", 4), ("sync", 7)])
 def test_every_pack_once_with_the_global_token_count(mode, G) -> None:
-    """G = 7 leaves a short last global batch (the pack count is not a multiple of it)."""
+    """G = 7 leaves a short last global batch (the pack count is not a multiple of it). Mode
+    "off" is covered in real fits (tests/balance/test_loss.py)."""
     out = run_ranks(_loader_job, 2, mode, G, timeout=180)
     assert all(status == "ok" for status, _ in out.values()), out
     res = {r: payload for r, (_, payload) in out.items()}

@@ -18,7 +18,7 @@ import torch
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 from lightning_vlmbalance.packing.collate import PackItem
-from tests.launch import run_module
+from tests.launch import run_modules
 from tests.packing.lightning_job import SMALL_VLM
 
 SEQ_LEN, SAMPLES, CLIP = 128, 160, 0.5
@@ -27,9 +27,12 @@ RUN = ("--samples", str(SAMPLES), "--accumulate", "3", "--limit-train-batches", 
 RUN += ("--epochs", "2", "--max-steps", "-1", "--record-grads")
 
 
-def _fit(out: Path, *args: str) -> dict:
+def _job(out: Path, *args: str) -> tuple[str, ...]:
     out.mkdir(parents=True, exist_ok=True)
-    run_module("tests.balance.strategy_job", "--out", str(out), *RUN, *args, timeout=600)
+    return ("tests.balance.strategy_job", "--out", str(out), *RUN, *args)
+
+
+def _result(out: Path) -> dict:
     ranks = sorted(int(p.stem[len("stats") :]) for p in out.glob("stats*.json"))
     return {
         "grads": torch.load(out / "grads.pt"),
@@ -40,12 +43,14 @@ def _fit(out: Path, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("loss")
-    return {
-        "overlap": _fit(root / "overlap", "--strategy", "vlmbalance", "--clip", str(CLIP)),
-        "off": _fit(root / "off", "--strategy", "vlmbalance", "--mode", "off"),
-        "ddp": _fit(root / "ddp", "--strategy", "ddp", "--clip", str(CLIP)),
-        "one_rank": _fit(root / "one", "--strategy", "vlmbalance", "--devices", "1"),
+    jobs = {
+        "overlap": ("--strategy", "vlmbalance", "--clip", str(CLIP)),
+        "off": ("--strategy", "vlmbalance", "--mode", "off"),
+        "ddp": ("--strategy", "ddp", "--clip", str(CLIP)),
+        "one_rank": ("--strategy", "vlmbalance", "--devices", "1"),
     }
+    run_modules([_job(root / name, *args) for name, args in jobs.items()])
+    return {name: _result(root / name) for name in jobs}
 
 
 def _dataset() -> vb.SyntheticVLMDataset:

@@ -71,8 +71,15 @@ def _problems(res: dict[str, Any]) -> list[str]:
     return message
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("mode", ["overlap", "sync", "off"])
+# every mode and both targets once; VLMBALANCE_PREEMPT_ALL=1 runs all 6 combinations
+CASES = (
+    [(m, t) for m in ("overlap", "sync", "off") for t in TARGETS]
+    if os.environ.get("VLMBALANCE_PREEMPT_ALL")
+    else [("overlap", "both"), ("overlap", "rank0"), ("sync", "both"), ("off", "both")]
+)
+
+
+@pytest.mark.parametrize(("mode", "target"), CASES)
 def test_sigterm_stops_every_rank(tmp_path, mode: str, target: str) -> None:
     """SIGTERM (to both ranks, or to rank 0 only) ends every rank via SIGTERMException in 10 s."""
     seed = zlib.crc32(f"{mode}-{target}".encode())
