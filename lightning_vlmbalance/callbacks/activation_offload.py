@@ -52,6 +52,22 @@ class ActivationOffload(Callback):
 
     Without CUDA (and outside test mode) there is nothing faster to offload from: the callback
     logs one line and does nothing.
+
+    Metrics (every ``log_every_n_steps`` optimizer steps, host-side counters):
+
+    ====================================  ====================================================
+    ``offload/offloaded_mib_total``       MiB copied to host memory so far
+    ``offload/pool_mib``                  pinned host pool held now
+    ``offload/reloaded_tensors_total``    tensors brought back for backward so far
+    ``offload/prefetched_tensors_total``  of those, reloaded ahead of their use
+    ====================================  ====================================================
+
+    Raises:
+        ValueError: for an unknown ``mode`` or ``log_every_n_steps < 1``, quoting the call.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[ActivationOffload("checkpoint", min_bytes=1 << 22)])
     """
 
     def __init__(

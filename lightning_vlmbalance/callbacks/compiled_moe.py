@@ -41,6 +41,22 @@ class CompiledMoERouting(Callback):
         compile: compile the MoE forward (``False``: the sorted dispatch in eager mode).
         backend, fullgraph, dynamic, mode: passed to ``torch.compile``.
         log_every_n_steps: optimizer steps between logs of the router statistics.
+
+    Metrics (every ``log_every_n_steps`` optimizer steps):
+
+    ============================  ============================================================
+    ``moe/<layer>/lb_loss``       load-balancing loss of the layer's last micro-batch
+    ``moe/<layer>/max_load``      tokens of the busiest expert over the mean
+    ``moe/lb_loss``               mean over the layers
+    ``moe/max_load``              mean over the layers
+    ============================  ============================================================
+
+    Raises:
+        ValueError: for ``log_every_n_steps < 1``, quoting the call.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[CompiledMoERouting(backend="inductor", mode=None)])
     """
 
     def __init__(
