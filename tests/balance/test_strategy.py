@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import lightning as L
@@ -127,8 +126,8 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(fits, tmp_path) -> No
 def test_a_rank_failing_in_its_exchange_stops_every_rank(tmp_path, mode) -> None:
     """Rank 1 raises inside its exchange: the whole job stops soon, no hang. (That the other
     rank's loader raises ExchangeError itself is shown without Lightning in test_loader.py;
-    here Lightning may also stop rank 0 when it sees rank 1 exit.)"""
-    start = time.monotonic()
+    here Lightning may also stop rank 0 when it sees rank 1 exit.) A hang would run into the
+    subprocess timeout (an error of the test), not into a wall-clock assertion."""
     proc = run_module_raw(
         "tests.balance.strategy_job",
         "--out",
@@ -145,10 +144,8 @@ def test_a_rank_failing_in_its_exchange_stops_every_rank(tmp_path, mode) -> None
         "10",
         timeout=240,
     )
-    elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "failed on purpose" in proc.stderr or "ExchangeError" in proc.stderr, proc.stderr[-3000:]
-    assert elapsed < 120, elapsed  # start-up (~15 s) + the 10 s deadline, with slack
 
 
 def test_world_size_one_is_a_no_op(tmp_path) -> None:
