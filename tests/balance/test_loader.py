@@ -108,23 +108,27 @@ def test_bad_settings_are_named() -> None:
         RebalancingLoader([], micro_steps=0, world_size=1, rank=0)
 
 
+def _overlapped_loader(rank: int, world: int, *, micro_steps: int, timeout_s: float):
+    """The overlapped RebalancingLoader over 400 synthetic samples that the jobs below share."""
+    table = vb.synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
+    sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128)
+    inner = vb.PackedDataLoader(vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4), sampler)
+    return RebalancingLoader(
+        inner,
+        micro_steps=micro_steps,
+        world_size=world,
+        rank=rank,
+        group=torch.distributed.new_group(backend="gloo"),
+        mode="overlap",
+        exchange_timeout_s=timeout_s,
+    )
+
+
 def _early_close_job(rank: int, world: int) -> dict:
     import threading
     import time
 
-    table = vb.synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
-    sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128)
-    inner = vb.PackedDataLoader(vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4), sampler)
-    group = torch.distributed.new_group(backend="gloo")
-    loader = RebalancingLoader(
-        inner,
-        micro_steps=4,
-        world_size=world,
-        rank=rank,
-        group=group,
-        mode="overlap",
-        exchange_timeout_s=30,
-    )
+    loader = _overlapped_loader(rank, world, micro_steps=4, timeout_s=30)
     start = time.monotonic()
     for i, _ in enumerate(loader):  # stop mid global batch, as max_steps may
         if i == 5:
@@ -157,18 +161,7 @@ def _failing_job(rank: int, world: int) -> str:
             raise RuntimeError("rank 1 failed on purpose in its exchange")
 
         loader_mod.exchange_packs = failing
-    table = vb.synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
-    sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128)
-    inner = vb.PackedDataLoader(vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4), sampler)
-    loader = RebalancingLoader(
-        inner,
-        micro_steps=4,
-        world_size=world,
-        rank=rank,
-        group=torch.distributed.new_group(backend="gloo"),
-        mode="overlap",
-        exchange_timeout_s=5,
-    )
+    loader = _overlapped_loader(rank, world, micro_steps=4, timeout_s=5)
     start = time.monotonic()
     try:
         for _ in loader:
@@ -209,18 +202,7 @@ def _abandoned_pass_job(rank: int, world: int) -> dict:
     rebalance = RebalancingLoader._rebalance
     loader_mod.exchange_packs = slow_exchange
     RebalancingLoader._rebalance = counted
-    table = vb.synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
-    sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128)
-    inner = vb.PackedDataLoader(vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4), sampler)
-    loader = RebalancingLoader(
-        inner,
-        micro_steps=2,
-        world_size=world,
-        rank=rank,
-        group=torch.distributed.new_group(backend="gloo"),
-        mode="overlap",
-        exchange_timeout_s=30,
-    )
+    loader = _overlapped_loader(rank, world, micro_steps=2, timeout_s=30)
     abandoned = iter(loader)  # kept alive, as Lightning's data fetcher keeps its iterator
     for _ in range(3):  # mid global batch; the thread is preparing the next one
         next(abandoned)
