@@ -10,7 +10,19 @@ A *sample* is a dict with
                           (absent or empty for a text-only sample)
 ``image_sizes``           image tokens of each image (list or tensor), summing to ``I``
 ``image_positions``       ``LongTensor[I]``: where each image token sits in ``input_ids``
+``image_fields``          ``dict[str, Tensor]``, optional: per-image payloads whose first
+                          dimension runs over the sample's images (or their rows), e.g. whole
+                          images ``(n_images, C, H, W)`` of a model that encodes whole images,
+                          their ``image_grid_thw`` or ``image_sizes``
+``token_fields``          ``dict[str, Tensor[..., L]]``, optional: per-token tensors laid out like
+                          ``input_ids`` (last dimension), e.g. multimodal rotary positions
+``sample_fields``         ``dict[str, Tensor]``, optional: per-sample tensors, one entry (first
+                          dimension) per sample
 ========================  ===============================================================
+
+A sample has images when ``image_sizes`` is not empty; ``pixel_values``, if given, holds one row
+per image token. A model that encodes whole images (or patches of another granularity) leaves
+``pixel_values`` out and carries its pixels in ``image_fields``.
 
 A ``PackedBatch`` is a plain dict (Lightning moves its tensors to the device):
 
@@ -26,6 +38,12 @@ A ``PackedBatch`` is a plain dict (Lightning moves its tensors to the device):
 ``image_cu_seqlens``      ``IntTensor[n_images + 1]``: image boundaries in ``pixel_values``
 ``image_max_seqlen``      ``int``
 ``image_positions``       ``LongTensor[I]``: index in the flattened ``T`` of each image token
+``image_fields``          ``dict[str, Tensor]``: each sample's ``image_fields`` concatenated
+                          along the first dimension, the other dimensions zero-padded to the
+                          largest in the pack (``{}`` without any)
+``token_fields``          ``dict[str, Tensor[..., T]]``: laid out like ``input_ids``, zeros in
+                          the padding tail and for samples without the field
+``sample_fields``         ``dict[str, Tensor]``: each sample's ``sample_fields`` concatenated
 ``loss_tokens``           ``int``: targets in this pack (``labels[1:] != -100``)
 ``global_loss_tokens``    ``int``: targets in the whole optimizer step (all ranks); equals
                           ``loss_tokens`` until a loader that knows the steps fills it in
@@ -68,6 +86,22 @@ class _Layout(NamedTuple):
     pixels: list[torch.Tensor]  # each sample's image rows
     image_sizes: list[int]  # image tokens of each image, in pack order
     image_positions: list[torch.Tensor]  # each sample's, as indices into the pack's T tokens
+    token_fields: dict[str, torch.Tensor]  # name -> (..., T)
+    image_fields: dict[str, list[torch.Tensor]]  # name -> each sample's
+    sample_fields: dict[str, list[torch.Tensor]]  # name -> each sample's
+
+
+class _Sample(NamedTuple):
+    """One sample, checked and read."""
+
+    ids: torch.Tensor  # (L,)
+    labels: torch.Tensor  # (L,), a copy
+    image_positions: torch.Tensor  # (I,)
+    image_sizes: list[int]  # image tokens of each image
+    pixels: torch.Tensor | None  # (I, *feature): one row per image token, or None
+    token_fields: dict[str, torch.Tensor]  # name -> (..., L)
+    image_fields: dict[str, torch.Tensor]
+    sample_fields: dict[str, torch.Tensor]
 
 
 class PackCollator:
@@ -116,9 +150,8 @@ class PackCollator:
         """
         pack_id, sample_ids, samples = _unpack_items(items)
         T = self.seq_len
-        input_ids, labels, position_ids, doc_lens, pixels, image_sizes, image_positions = (
-            self._lay_out(pack_id, sample_ids, samples)
-        )
+        layout = self._lay_out(pack_id, sample_ids, samples)
+        input_ids, labels, position_ids, doc_lens, pixels, image_sizes, image_positions = layout[:7]
         offset = sum(doc_lens)  # tokens used; the rest is padding
         segments = doc_lens + ([T - offset] if offset < T else [])
         cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
@@ -141,6 +174,9 @@ class PackCollator:
             "image_positions": (
                 torch.cat(image_positions) if image_positions else torch.zeros(0, dtype=torch.long)
             ),
+            "image_fields": {k: _cat_padded(v, k) for k, v in layout.image_fields.items()},
+            "token_fields": layout.token_fields,
+            "sample_fields": {k: _cat_padded(v, k) for k, v in layout.sample_fields.items()},
             "loss_tokens": loss_tokens,
             "global_loss_tokens": loss_tokens,
             "loss_weight": loss_weight(1, 1, loss_tokens),
@@ -167,9 +203,13 @@ class PackCollator:
         pixels: list[torch.Tensor] = []
         image_sizes: list[int] = []
         image_positions: list[torch.Tensor] = []
+        token_fields: dict[str, torch.Tensor] = {}
+        image_fields: dict[str, list[torch.Tensor]] = {}
+        sample_fields: dict[str, list[torch.Tensor]] = {}
         offset = 0
         for sid, sample in zip(sample_ids, samples):
-            ids, lab, pos, sizes, pix = self._read_sample(sample, sid)
+            read = self._read_sample(sample, sid)
+            ids, lab, pos, sizes, pix = read[:5]
             n = ids.numel()
             if offset + n > T:
                 raise ValueError(
@@ -179,9 +219,19 @@ class PackCollator:
                 )
             if sizes:
                 lab[pos] = IGNORE_INDEX
-                pixels.append(pix)
+                if pix is not None:
+                    pixels.append(pix)
                 image_sizes.extend(sizes)
                 image_positions.append(pos + offset)
+            for name, value in read.token_fields.items():
+                if name not in token_fields:
+                    token_fields[name] = value.new_zeros((*value.shape[:-1], T))
+                _check_token_field(token_fields[name], value, name, sid, n)
+                token_fields[name][..., offset : offset + n] = value[..., :n]
+            for name, value in read.image_fields.items():
+                image_fields.setdefault(name, []).append(value)
+            for name, value in read.sample_fields.items():
+                sample_fields.setdefault(name, []).append(value)
             lab[0] = IGNORE_INDEX  # never predict the first token of a document from the last one
             input_ids[offset : offset + n] = ids
             labels[offset : offset + n] = lab
@@ -191,12 +241,19 @@ class PackCollator:
         if offset < T:
             position_ids[offset:] = torch.arange(T - offset)
         return _Layout(
-            input_ids, labels, position_ids, doc_lens, pixels, image_sizes, image_positions
+            input_ids,
+            labels,
+            position_ids,
+            doc_lens,
+            pixels,
+            image_sizes,
+            image_positions,
+            token_fields,
+            image_fields,
+            sample_fields,
         )
 
-    def _read_sample(
-        self, sample: Any, sid: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], torch.Tensor | None]:
+    def _read_sample(self, sample: Any, sid: int) -> _Sample:
         """Checks sample ``sid`` and reads its tokens, labels (a copy) and image fields."""
         T = self.seq_len
         check_sample(sample, sid)
@@ -222,7 +279,16 @@ class PackCollator:
                     )
                 )
             ids, lab = ids[:T], lab[:T]  # text-only truncation (overlong="truncate")
-        return ids, lab, pos, sizes, pix
+        return _Sample(
+            ids,
+            lab,
+            pos,
+            sizes,
+            pix,
+            _tensor_fields(sample, "token_fields", sid),
+            _tensor_fields(sample, "image_fields", sid),
+            _tensor_fields(sample, "sample_fields", sid),
+        )
 
     def _pixel_values(self, pixels: list[torch.Tensor]) -> torch.Tensor:
         """The pack's image rows, or an empty ``(0, *image_feature_shape)`` tensor without any."""
@@ -245,7 +311,7 @@ def check_sample(sample: Any, sid: int) -> None:
         )
     missing = [] if "input_ids" in sample else ["input_ids"]
     pix = sample.get("pixel_values")
-    if pix is not None and len(pix):
+    if (pix is not None and len(pix)) or _has(sample.get("image_sizes")):
         missing += [k for k in ("image_sizes", "image_positions") if k not in sample]
     if missing:
         raise ValueError(
@@ -264,19 +330,71 @@ def _unpack_items(items: Sequence[Any]) -> tuple[int, list[int], list[dict]]:
     return -1, list(range(len(items))), list(items)
 
 
+def _has(value: Any) -> bool:
+    return value is not None and len(value) > 0
+
+
 def _image_fields(
     sample: dict, sid: int, n_tokens: int
 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     pix = sample.get("pixel_values")
-    if pix is None or len(pix) == 0:
-        return torch.zeros(0, dtype=torch.long), [], None
+    if not _has(pix):
+        pix = None
+        if not _has(sample.get("image_sizes")):
+            return torch.zeros(0, dtype=torch.long), [], None
     pos = torch.as_tensor(sample["image_positions"], dtype=torch.long).reshape(-1)
     sizes = [int(s) for s in torch.as_tensor(sample["image_sizes"]).reshape(-1).tolist()]
-    if sum(sizes) != len(pix) or len(pos) != len(pix):
+    rows = len(pos) if pix is None else len(pix)
+    if sum(sizes) != rows or len(pos) != rows:
         raise ValueError(
-            f"sample {sid}: {len(pix)} pixel rows, {len(pos)} image positions and image sizes"
-            f" {sizes} disagree"
+            f"sample {sid}: {'no' if pix is None else len(pix)} pixel rows, {len(pos)} image"
+            f" positions and image sizes {sizes} disagree"
         )
     if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= n_tokens):
         raise ValueError(f"sample {sid}: an image position lies outside its {n_tokens} tokens")
-    return pos, sizes, torch.as_tensor(pix)
+    return pos, sizes, None if pix is None else torch.as_tensor(pix)
+
+
+def _tensor_fields(sample: dict, key: str, sid: int) -> dict[str, torch.Tensor]:
+    fields = sample.get(key) or {}
+    if not isinstance(fields, Mapping):
+        raise ValueError(f"sample {sid}: {key!r} must be a dict of tensors")
+    out = {}
+    for name, value in fields.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"sample {sid}: {key}[{name!r}] is a {type(value).__name__}, not a tensor"
+            )
+        out[str(name)] = value
+    return out
+
+
+def _check_token_field(
+    out: torch.Tensor, value: torch.Tensor, name: str, sid: int, n_tokens: int
+) -> None:
+    if value.shape[:-1] != out.shape[:-1] or value.shape[-1] < n_tokens or value.dtype != out.dtype:
+        raise ValueError(
+            f"sample {sid}: token_fields[{name!r}] has shape {tuple(value.shape)} and dtype"
+            f" {value.dtype}; expected (*{tuple(out.shape[:-1])}, {n_tokens}) of {out.dtype} like"
+            " the pack's other samples"
+        )
+
+
+def _cat_padded(values: list[torch.Tensor], name: str) -> torch.Tensor:
+    """Concatenates along dim 0, zero-padding every other dimension to the largest."""
+    if any(v.dim() != values[0].dim() or v.dtype != values[0].dtype for v in values):
+        raise ValueError(
+            f"field {name!r}: the pack's samples disagree in rank or dtype"
+            f" ({[(tuple(v.shape), v.dtype) for v in values]})"
+        )
+    if values[0].dim() == 0:
+        return torch.stack(values)
+    trailing = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
+    padded = []
+    for v in values:
+        if list(v.shape[1:]) != trailing:
+            grown = v.new_zeros((v.shape[0], *trailing))
+            grown[tuple(slice(0, n) for n in v.shape)] = v
+            v = grown
+        padded.append(v)
+    return torch.cat(padded)

@@ -1,0 +1,40 @@
+"""Hugging Face ``transformers`` VLMs on packed batches (optional extra ``hf``).
+
+Importing this module registers ``attn_implementation="vlmbalance"`` with transformers' attention
+interface. See ``docs/hugging_face.md``.
+
+Example::
+
+    import lightning_vlmbalance.hf as vbhf
+
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="vlmbalance")
+    collate = vbhf.HFPackCollator(model.config, seq_len=4096)
+    ...
+    loss = model(**vbhf.model_inputs(model, batch, module=self)).loss
+"""
+
+from lightning_vlmbalance.hf.attention import ATTN_IMPLEMENTATION, register, vlmbalance_attention
+from lightning_vlmbalance.hf.families import SUPPORTED_FAMILIES, Family, family_of
+from lightning_vlmbalance.hf.inputs import (
+    HFPackCollator,
+    ItemLengths,
+    item_lengths,
+    model_inputs,
+    prepare_model,
+)
+
+register()
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "SUPPORTED_FAMILIES",
+    "Family",
+    "HFPackCollator",
+    "ItemLengths",
+    "family_of",
+    "item_lengths",
+    "model_inputs",
+    "prepare_model",
+    "register",
+    "vlmbalance_attention",
+]

@@ -1,0 +1,215 @@
+"""Processor outputs in, packed batches through the package, model keyword arguments out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from lightning_vlmbalance.hf.attention import ATTN_IMPLEMENTATION
+from lightning_vlmbalance.hf.families import Family, family_of
+from lightning_vlmbalance.loss import check_weighted_for
+from lightning_vlmbalance.packing.collate import PackCollator, PackItem
+
+__all__ = ["HFPackCollator", "ItemLengths", "item_lengths", "model_inputs", "prepare_model"]
+
+log = logging.getLogger(__name__)
+
+# attention implementations that read the pack's boundaries from cu_seq_lens_q / max_length_q
+_VARLEN = (ATTN_IMPLEMENTATION, "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+class HFPackCollator(PackCollator):
+    """Packs Hugging Face processor outputs into the package's packed batch.
+
+    A dataset item is what the model's processor returns for one sample: ``input_ids``, optional
+    ``labels``, and the family's image fields (``pixel_values`` with ``image_grid_thw``,
+    ``image_sizes`` or ``pixel_attention_mask``), with or without the processor's leading batch
+    dimension of 1. The batch is a ``PackedBatch`` (:mod:`lightning_vlmbalance.packing.collate`)
+    whose ``image_fields`` carry the family's image tensors, ``token_fields`` the multimodal
+    rotary positions of the Qwen-VL families (per document, from the model's own
+    ``get_rope_index``), and ``sample_fields`` per-sample fields such as ``batch_num_images``.
+    Labels default to ``input_ids`` with image tokens and each document's first token masked.
+
+    Args:
+        model_or_config: the transformers model or its config (an unsupported family is refused).
+        seq_len: tokens per pack.
+        pad_token_id: defaults to the text config's ``pad_token_id`` (else 0).
+        truncate_text: cut text-only samples longer than ``seq_len`` (see ``PackCollator``).
+
+    Example::
+
+        collate = HFPackCollator(model.config, seq_len=4096)
+        loader = vb.PackedDataLoader(dataset, sampler, collate, trainer=self.trainer)
+    """
+
+    def __init__(
+        self,
+        model_or_config: Any,
+        seq_len: int,
+        *,
+        pad_token_id: int | None = None,
+        truncate_text: bool = False,
+    ) -> None:
+        self.family: Family = family_of(model_or_config)
+        super().__init__(
+            seq_len,
+            pad_token_id=self.family.pad_token_id if pad_token_id is None else pad_token_id,
+            image_feature_shape=(),
+            truncate_text=truncate_text,
+        )
+
+    def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
+        converted: list[Any] = []
+        for pos, it in enumerate(items):
+            if isinstance(it, PackItem):
+                sample = None if it.sample is None else self.family.to_sample(it.sample, it.index)
+                converted.append(it._replace(sample=sample))
+            else:
+                converted.append(self.family.to_sample(it, pos))
+        batch = super().__call__(converted)
+        # the whole-image families have no per-token pixel rows: the images are in image_fields
+        for key in ("pixel_values", "image_cu_seqlens", "image_max_seqlen"):
+            batch.pop(key, None)
+        return batch
+
+
+class ItemLengths(NamedTuple):
+    """Per-item lengths for :class:`~lightning_vlmbalance.PackingSampler` (numpy ``int64``)."""
+
+    total_tokens: np.ndarray
+    image_tokens: np.ndarray
+    images: np.ndarray
+
+
+def item_lengths(items: Iterable[Any], model_or_config: Any) -> ItemLengths:
+    """``(total_tokens, image_tokens, images)`` of every processor output in ``items`` (a
+    dataset or any iterable), counted the way :class:`HFPackCollator` will pack them.
+
+    Example::
+
+        lengths = item_lengths(dataset, model.config)
+        sampler = vb.PackingSampler(lengths.total_tokens, lengths.image_tokens, seq_len=4096)
+    """
+    family = family_of(model_or_config)
+    total, image, images = [], [], []
+    for sid, item in enumerate(items):
+        sample = family.to_sample(item, sid)
+        sizes = sample.get("image_sizes", [])
+        total.append(int(sample["input_ids"].numel()))
+        image.append(int(sum(sizes)))
+        images.append(len(sizes))
+    return ItemLengths(*(np.asarray(x, dtype=np.int64) for x in (total, image, images)))
+
+
+def prepare_model(model: torch.nn.Module) -> Family:
+    """Readies a transformers VLM for packed batches (idempotent; :func:`model_inputs` calls it).
+
+    * The language model's attention reads the pack's boundaries: if its
+      ``attn_implementation`` is neither ``"vlmbalance"`` nor a flash-attention varlen one, it is
+      switched to ``"vlmbalance"`` (the vision tower keeps its own).
+    * The vision tower runs in every micro-batch: in a pack without images it encodes one small
+      zero image whose output enters the language model's input embeddings multiplied by zero,
+      so every rank's backward reaches the vision parameters and DDP (or FSDP's reduce-scatter)
+      never waits for a rank that skipped them.
+
+    Raises:
+        ValueError: for a model family that is not supported, naming it.
+    """
+    family = family_of(model)
+    if getattr(model, "_vlmbalance_family", None) is not None:
+        return model._vlmbalance_family
+    text_cfg = getattr(model.config, "text_config", model.config)
+    if text_cfg._attn_implementation not in _VARLEN:
+        log.info(
+            "lightning_vlmbalance.hf: the language model's attention %r does not see pack"
+            " boundaries; switching it to %r",
+            text_cfg._attn_implementation,
+            ATTN_IMPLEMENTATION,
+        )
+        model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
+    decoder = model.get_decoder()
+    state = {"text_only": False}
+
+    def note_images(module: Any, args: tuple, kwargs: dict) -> None:
+        state["text_only"] = kwargs.get("pixel_values") is None
+
+    def keep_vision_in_graph(module: Any, args: tuple, kwargs: dict) -> Any:
+        if not (state["text_only"] and torch.is_grad_enabled() and model.training):
+            return None
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            return None
+        zero = _vision_zero(model, family)
+        return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
+
+    model.register_forward_pre_hook(note_images, with_kwargs=True)
+    decoder.register_forward_pre_hook(keep_vision_in_graph, with_kwargs=True)
+    model._vlmbalance_family = family
+    return family
+
+
+def _vision_zero(model: Any, family: Family) -> torch.Tensor:
+    """A scalar zero that depends on every output of the vision tower for a dummy image."""
+    out = model.model.get_image_features(**family.dummy_image_inputs(model))
+    total = None
+    for t in _tensors(out):
+        s = t.float().sum()
+        total = s if total is None else total + s
+    return total * 0.0
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
+    elif hasattr(obj, "to_tuple"):  # transformers ModelOutput
+        yield from _tensors(obj.to_tuple())
+
+
+def model_inputs(
+    model: torch.nn.Module, batch: Mapping[str, Any], *, module: Any = None, labels: bool = True
+) -> dict[str, Any]:
+    """The keyword arguments for ``model(**inputs)`` of one packed batch.
+
+    * ``input_ids`` ``(1, T)``; per-document ``position_ids`` (M-RoPE rows for the Qwen-VL
+      families); ``use_cache=False``; no ``attention_mask``.
+    * The pack's boundaries under transformers' varlen names (``cu_seq_lens_q`` / ``_k``,
+      ``max_length_q`` / ``_k``), read by ``attn_implementation="vlmbalance"``.
+    * The images in the family's layout.
+    * With ``labels=True``: ``labels`` and ``num_items_in_batch = 1 / loss_weight``, so the
+      model's own loss (``out.loss``) is the pack's summed token loss times ``loss_weight``: the
+      loss contract of :mod:`lightning_vlmbalance.loss` (the step's token-mean gradient).
+
+    ``module`` (the ``LightningModule``) checks the batch's weight against its Trainer, as
+    :func:`~lightning_vlmbalance.packed_cross_entropy` does.
+    """
+    family = prepare_model(model)
+    if module is not None:
+        check_weighted_for(batch, module)
+    cu = batch["cu_seqlens"]
+    max_len = int(batch["max_seqlen"])
+    inputs: dict[str, Any] = {
+        "input_ids": batch["input_ids"],
+        "position_ids": family.position_ids(batch),
+        "use_cache": False,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+        **family.image_inputs(batch),
+    }
+    if labels:
+        weight = float(batch.get("loss_weight") or 0.0)
+        inputs["labels"] = batch["labels"]
+        inputs["num_items_in_batch"] = 1.0 / weight if weight > 0 else float("inf")
+    return inputs
