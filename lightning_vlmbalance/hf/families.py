@@ -113,9 +113,15 @@ class Family:
 
     # -- one processor output -> the generic sample ------------------------------------------
 
-    def to_sample(self, item: Any, sid: int) -> dict[str, Any]:
+    def lengths(self, item: Any, sid: int) -> tuple[int, int]:
+        """``(total_tokens, image_tokens)`` of one processor output, checked."""
+        sample = self.to_sample(item, sid, positions=False)
+        return int(sample["input_ids"].numel()), int(sum(sample.get("image_sizes", [])))
+
+    def to_sample(self, item: Any, sid: int, *, positions: bool = True) -> dict[str, Any]:
         """The generic sample of one processor output (``input_ids``, ``labels``, image token
-        positions and sizes, and the family's fields)."""
+        positions and sizes, and the family's fields; ``positions=False`` skips the M-RoPE rows,
+        for counting)."""
         if not isinstance(item, Mapping):
             raise ValueError(
                 f"sample {sid} is a {type(item).__name__}; a dataset item for HFPackCollator is"
@@ -160,7 +166,7 @@ class Family:
         if self.layout == "anyres":
             n = len(sample.get("image_sizes", []))
             sample["sample_fields"] = {"batch_num_images": torch.tensor([n])}
-        if self.layout == "mrope":
+        if self.layout == "mrope" and positions:
             sample["token_fields"] = {"mrope_position_ids": self._mrope(item, ids, is_image)}
         return sample
 

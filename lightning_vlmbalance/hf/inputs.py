@@ -62,6 +62,10 @@ class HFPackCollator(PackCollator):
             truncate_text=truncate_text,
         )
 
+    def sample_lengths(self, sample: Any, sid: int) -> tuple[int, int]:
+        """``(total_tokens, image_tokens)`` of one processor output (see ``PackCollator``)."""
+        return self.family.lengths(sample, sid)
+
     def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
         converted: list[Any] = []
         for pos, it in enumerate(items):
@@ -74,6 +78,11 @@ class HFPackCollator(PackCollator):
         # the whole-image families have no per-token pixel rows: the images are in image_fields
         for key in ("pixel_values", "image_cu_seqlens", "image_max_seqlen"):
             batch.pop(key, None)
+        if self.family.layout == "mrope" and "mrope_position_ids" not in batch["token_fields"]:
+            # a padding pack: text positions on all three rows
+            batch["token_fields"]["mrope_position_ids"] = (
+                batch["position_ids"].expand(3, -1).clone()
+            )
         return batch
 
 
@@ -97,7 +106,7 @@ def item_lengths(items: Iterable[Any], model_or_config: Any) -> ItemLengths:
     family = family_of(model_or_config)
     total, image, images = [], [], []
     for sid, item in enumerate(items):
-        sample = family.to_sample(item, sid)
+        sample = family.to_sample(item, sid, positions=False)
         sizes = sample.get("image_sizes", [])
         total.append(int(sample["input_ids"].numel()))
         image.append(int(sum(sizes)))

@@ -114,8 +114,8 @@ def tiny_config(family: str, **text_overrides: Any) -> Any:
 class SyntheticProcessed(torch.utils.data.Dataset):
     """Processor outputs of ``n`` synthetic samples of ``config``'s family.
 
-    Each sample is text with 0 to ``max_images`` random images (a ``text_share`` of samples has
-    none), images of random size up to ``max_side`` pixels; every item is deterministic in
+    Each sample is text with 1 to ``max_images`` random images of random size up to ``max_side``
+    pixels, or (a ``text_share`` of them) longer text only; every item is deterministic in
     ``(seed, index)``.
     """
 
@@ -129,10 +129,11 @@ class SyntheticProcessed(torch.utils.data.Dataset):
         max_images: int = 2,
         max_side: int = 40,
         text_len: tuple[int, int] = (8, 48),
+        text_only_len: tuple[int, int] = (48, 160),
     ) -> None:
         self.config, self.n, self.seed = config, n, seed
         self.text_share, self.max_images, self.max_side = text_share, max_images, max_side
-        self.text_len = text_len
+        self.text_len, self.text_only_len = text_len, text_only_len
         self.family = config.model_type
         self._processor = _image_processor(config)
 
@@ -150,11 +151,11 @@ class SyntheticProcessed(torch.utils.data.Dataset):
             for _ in range(n_images)
         ]
 
-        def text(lo: int | None = None) -> list[int]:
-            k = int(rng.integers(lo or self.text_len[0], self.text_len[1] + 1))
+        def text(lo: int | None = None, hi: int | None = None) -> list[int]:
+            k = int(rng.integers(lo or self.text_len[0], (hi or self.text_len[1]) + 1))
             return rng.integers(*TEXT_TOKENS, size=k).tolist()
 
-        ids = text()
+        ids = text() if images else text(*self.text_only_len)
         item: dict[str, Any] = {}
         if images:
             one_sample = images if self.family.startswith("qwen") else [images]

@@ -193,6 +193,17 @@ class PackCollator:
             },
         }
 
+    @staticmethod
+    def sample_lengths(sample: Any, sid: int) -> tuple[int, int]:
+        """``(total_tokens, image_tokens)`` of sample ``sid`` as this collator counts them (what
+        the sampler's length table must say); raises ``ValueError`` naming a malformed sample."""
+        check_sample(sample, sid)
+        n = len(sample["input_ids"])
+        pix = sample.get("pixel_values")
+        if pix is not None:
+            return n, len(pix)
+        return n, int(sum(torch.as_tensor(sample.get("image_sizes", [])).reshape(-1).tolist()))
+
     def _lay_out(self, pack_id: int, sample_ids: list[int], samples: list[dict]) -> _Layout:
         """Places the samples one after another in ``seq_len`` tokens, the tail as padding."""
         T = self.seq_len

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
 from lightning_vlmbalance.loss import gradient_ranks, optimizer_steps, weigh_step
-from lightning_vlmbalance.packing.collate import PackCollator, PackItem, check_sample
+from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import (
     PADDING,
     EpochPlan,
@@ -206,20 +206,18 @@ def _check_ranks_agree(sampler: PackingSampler) -> None:
 class _PackDataset(Dataset):
     """Fetches the samples of a pack and checks each against the length table."""
 
-    def __init__(self, dataset: Dataset, sampler: PackingSampler) -> None:
+    def __init__(self, dataset: Dataset, sampler: PackingSampler, collate_fn: PackCollator) -> None:
         self.dataset = dataset
         self.total_tokens = sampler.total_tokens
         self.image_tokens = sampler.image_tokens
+        self.lengths = getattr(collate_fn, "sample_lengths", PackCollator.sample_lengths)
 
     def __getitem__(self, key: tuple[int, int]) -> PackItem:
         pack_id, index = key
         if pack_id == PADDING:
             return PackItem(pack_id, -1, None)
         sample = self.dataset[index]
-        check_sample(sample, index)
-        n = len(sample["input_ids"])
-        pix = sample.get("pixel_values")
-        n_image = 0 if pix is None else len(pix)
+        n, n_image = self.lengths(sample, index)
         if n != self.total_tokens[index] or n_image != self.image_tokens[index]:
             raise ValueError(
                 f"sample {index} has {n} tokens ({n_image} image tokens) but the length table"
@@ -345,7 +343,7 @@ class PackedDataLoader:
         _check_ranks_agree(self.sampler)
         if self._inner is None:
             self._inner = DataLoader(
-                _PackDataset(self.dataset, self.sampler),
+                _PackDataset(self.dataset, self.sampler, self.collate_fn),
                 batch_sampler=_PackRefs(self),
                 collate_fn=self.collate_fn,
                 **self.dataloader_kwargs,

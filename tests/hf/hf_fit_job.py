@@ -1,0 +1,100 @@
+"""A 2-rank CPU fit of a tiny Hugging Face VLM (the example's LightningModule and data), run by
+``test_hf_fit.py`` as ``python -m tests.hf.hf_fit_job``.
+
+Rank 0 writes the final parameters (``params.pt``) and ``result.json``: optimizer steps, packs
+moved, and, per rank, the packs trained and how many of them were text-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+import lightning_vlmbalance as vb
+from examples.hf_vlm import HFVLM, HFData
+from lightning_vlmbalance.hf.synthetic import tiny_config
+
+
+class CountPacks(L.Callback):
+    """Counts the packs this rank trains, and those without an image."""
+
+    def __init__(self, moe: vb.CompiledMoERouting | None = None) -> None:
+        self.packs = self.text_only = self.moe_layers = 0
+        self.sample_ids: list[int] = []
+        self.moe = moe
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        meta = batch["meta"]
+        if not meta["padding"]:
+            self.packs += 1
+            self.text_only += int(meta["images"] == 0)
+            self.sample_ids += list(meta["sample_ids"])
+        if self.moe is not None:  # the routing is patched while fit runs
+            self.moe_layers = max(self.moe_layers, len(self.moe.patched))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--family", default="qwen2_5_vl")
+    p.add_argument("--strategy", default="vlmbalance")
+    p.add_argument("--mode", default="overlap")
+    p.add_argument("--max-steps", type=int, default=4)
+    p.add_argument("--accumulate", type=int, default=2)
+    p.add_argument("--precision", default="64-true")
+    p.add_argument("--moe", action="store_true", help="CompiledMoERouting on the experts")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    config = tiny_config(args.family)
+    data = HFData(config, n=120, seq_len=256, text_share=0.4, seed=0)
+    model = HFVLM(config)
+    moe = vb.CompiledMoERouting(backend="aot_eager", log_every_n_steps=1) if args.moe else None
+    counter = CountPacks(moe)
+    callbacks: list[Any] = [counter] + ([moe] if moe else [])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=(
+            vb.VLMBalanceStrategy(mode=args.mode) if args.strategy == "vlmbalance" else "ddp"
+        ),
+        precision=args.precision,
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, datamodule=data)
+    everyone = trainer.strategy.all_gather(
+        torch.tensor([counter.packs, counter.text_only], dtype=torch.long)
+    )
+    ids: list[Any] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(ids, counter.sample_ids)
+    if trainer.is_global_zero:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        params = {k: v.detach().clone() for k, v in model.model.named_parameters()}
+        torch.save(params, out / "params.pt")
+        result = {
+            "steps": trainer.global_step,
+            "packs": everyone[:, 0].tolist(),
+            "text_only": everyone[:, 1].tolist(),
+            "sample_ids": ids,
+            "loss": float(trainer.callback_metrics["train/loss"]),
+            "moe_layers": counter.moe_layers,
+            "metrics": sorted(trainer.callback_metrics),
+        }
+        (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
