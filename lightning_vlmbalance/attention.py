@@ -5,27 +5,51 @@ of its own document (causally or not). The boundaries come as ``cu_seqlens`` (in
 offsets) and ``max_seqlen`` (a python int), built once per batch by the collator and shared by every
 layer, so no layer recomputes them and none needs a device-to-host sync.
 
-On CUDA with flash-attn installed (fp16/bf16) this calls flash-attn's varlen kernel. Otherwise it
-runs PyTorch's ``scaled_dot_product_attention`` on one of two layouts, chosen from shapes alone
-(python ints, no sync): documents gathered into a padded ``(D, max_seqlen)`` batch when that costs
-less than the dense layout, else the whole sequence with a block-diagonal mask.
+Backends, chosen per call (``backend="auto"``) or named:
+
+* ``"flash_attn"``: flash-attn's varlen kernel, on CUDA in fp16/bf16 when flash-attn is installed
+  (the optional extra ``flash``);
+* ``"varlen"``: PyTorch's own varlen flash kernel (``torch.nn.attention.varlen.varlen_attn``, torch
+  2.13+), on CUDA in fp16/bf16 without flash-attn: the GPU fast path with no source build;
+* ``"sdpa"``: PyTorch's ``scaled_dot_product_attention`` on one of two layouts, chosen from shapes
+  alone (python ints, no sync): documents gathered into a padded ``(D, max_seqlen)`` batch when
+  that costs less than the dense layout, else the whole sequence with a block-diagonal mask. Runs
+  everywhere (the CPU path).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["flash_attn_available", "packed_attention"]
+__all__ = ["attention_backend", "flash_attn_available", "packed_attention"]
 
 _FLASH = importlib.util.find_spec("flash_attn") is not None
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_ARGS = frozenset(inspect.signature(_varlen_attn).parameters)
+except ImportError:  # a torch without it
+    _varlen_attn, _VARLEN_ARGS = None, frozenset()
+BACKENDS = ("auto", "flash_attn", "varlen", "sdpa")
 
 
 def flash_attn_available() -> bool:
     """Whether flash-attn is importable (it is an optional extra, CUDA only)."""
     return _FLASH
+
+
+def attention_backend(q: torch.Tensor) -> str:
+    """The backend ``packed_attention(backend="auto")`` uses for queries like ``q``."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if _FLASH:
+            return "flash_attn"
+        if _varlen_attn is not None:
+            return "varlen"
+    return "sdpa"
 
 
 def packed_attention(
@@ -36,6 +60,7 @@ def packed_attention(
     max_seqlen: int,
     causal: bool = True,
     softmax_scale: float | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention within each document of a packed sequence.
 
@@ -47,6 +72,8 @@ def packed_attention(
         max_seqlen: length of the longest document (python int).
         causal: mask future tokens of the same document.
         softmax_scale: defaults to ``Dh ** -0.5``.
+        backend: ``"auto"`` (see :func:`attention_backend`), or ``"flash_attn"``, ``"varlen"``,
+            ``"sdpa"`` to force one (the first two need CUDA and fp16/bf16).
 
     Returns:
         ``(T, H, Dh)`` attention output.
@@ -67,13 +94,26 @@ def packed_attention(
             )
     if T == 0:  # an empty batch (e.g. a pack with no images): keep k and v in the graph
         return q + (k.sum() + v.sum()) * 0
-    if _FLASH and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if backend not in BACKENDS:
+        raise ValueError(f"packed_attention: `backend={backend!r}` is not one of {BACKENDS}")
+    if backend == "auto":
+        backend = attention_backend(q)
+    elif backend != "sdpa" and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        raise ValueError(
+            f"packed_attention: `backend={backend!r}` needs CUDA fp16/bf16 tensors, got"
+            f" {q.device.type} {q.dtype}"
+        )
+    if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         return flash_attn_varlen_func(
             q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal, softmax_scale=softmax_scale
         )
+    if backend == "varlen":
+        if _varlen_attn is None:
+            raise ValueError("packed_attention: this torch has no torch.nn.attention.varlen")
+        return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
     if k.shape[1] != H:  # SDPA's enable_gqa is not on every backend: expand explicitly
         k = k.repeat_interleave(H // k.shape[1], dim=1)
         v = v.repeat_interleave(H // v.shape[1], dim=1)
@@ -82,6 +122,34 @@ def packed_attention(
     if D * max_seqlen * max_seqlen <= T * T:
         return _padded_documents(q, k, v, cu, D, max_seqlen, causal, softmax_scale)
     return _block_diagonal(q, k, v, cu, causal, softmax_scale)
+
+
+def _torch_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """``torch.nn.attention.varlen.varlen_attn``, across the torch versions that have it (2.13
+    names causality ``window_size=(-1, 0)`` and takes ``enable_gqa``; earlier ones ``is_causal``
+    and need the key/value heads expanded)."""
+    kwargs: dict = {"scale": scale}
+    if "window_size" in _VARLEN_ARGS:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
+    H = q.shape[1]
+    if k.shape[1] != H:
+        if "enable_gqa" in _VARLEN_ARGS:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(H // k.shape[1], dim=1)
+            v = v.repeat_interleave(H // v.shape[1], dim=1)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return _varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
 def _padded_documents(
