@@ -263,7 +263,7 @@ class Family:
         return batch["position_ids"]
 
     def dummy_image_inputs(self, model: Any) -> dict[str, Any]:
-        """Keyword arguments of ``get_image_features`` for one small all-zero image (what keeps
+        """Keyword arguments of ``get_image_features`` for one small constant image (what keeps
         the vision tower in a text-only pack's graph)."""
         vc = self.config.vision_config
         p = next(model.parameters())
@@ -289,8 +289,8 @@ class Family:
             }
             out["batch_num_images"] = torch.tensor([1], device=p.device)
             return out
-        return {
-            "pixel_values": torch.zeros(1, 1, 3, size, size, device=p.device, dtype=p.dtype),
+        return {  # ones: Idefics3 drops all-zero tiles as padding
+            "pixel_values": torch.ones(1, 1, 3, size, size, device=p.device, dtype=p.dtype),
             "pixel_attention_mask": torch.ones(1, 1, size, size, device=p.device, dtype=torch.bool),
         }
 
