@@ -121,9 +121,11 @@ def prepare_model(model: torch.nn.Module) -> Family:
       ``attn_implementation`` is neither ``"vlmbalance"`` nor a flash-attention varlen one, it is
       switched to ``"vlmbalance"`` (the vision tower keeps its own).
     * The vision tower runs in every micro-batch: in a pack without images it encodes one small
-      zero image whose output enters the language model's input embeddings multiplied by zero,
-      so every rank's backward reaches the vision parameters and DDP (or FSDP's reduce-scatter)
-      never waits for a rank that skipped them.
+      constant image whose output enters the language model's input embeddings multiplied by
+      zero, so every rank's backward reaches the vision parameters and DDP (or FSDP's
+      reduce-scatter) never waits for a rank that skipped them. A zero term on every vision and
+      projector parameter also covers parameters the model's forward never uses (LLaVA-OneVision
+      reads SigLIP's hidden states before its last norm and head), which DDP would refuse.
 
     Raises:
         ValueError: for a model family that is not supported, naming it.
@@ -142,23 +144,44 @@ def prepare_model(model: torch.nn.Module) -> Family:
         model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
     decoder = model.get_decoder()
     state = {"text_only": False}
+    # parameters of the vision tower and projector: some are never used by some models' forward
+    # (LLaVA-OneVision reads SigLIP's hidden states before its last norm and head), which DDP
+    # refuses; a zero term on them keeps every one in every micro-batch's graph
+    multimodal = [
+        p
+        for child in model.model.children()
+        if child is not decoder
+        for p in child.parameters()
+        if p.requires_grad
+    ]
 
     def note_images(module: Any, args: tuple, kwargs: dict) -> None:
         state["text_only"] = kwargs.get("pixel_values") is None
 
     def keep_vision_in_graph(module: Any, args: tuple, kwargs: dict) -> Any:
-        if not (state["text_only"] and torch.is_grad_enabled() and model.training):
-            return None
         embeds = kwargs.get("inputs_embeds")
-        if embeds is None:
+        if embeds is None or not (torch.is_grad_enabled() and model.training):
             return None
-        zero = _vision_zero(model, family)
+        zero = _unused_zero(multimodal)
+        if state["text_only"]:
+            zero = zero + _vision_zero(model, family)
         return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
 
     model.register_forward_pre_hook(note_images, with_kwargs=True)
     decoder.register_forward_pre_hook(keep_vision_in_graph, with_kwargs=True)
     model._vlmbalance_family = family
     return family
+
+
+def _unused_zero(params: list[torch.Tensor]) -> torch.Tensor:
+    """``0 * sum(p)`` over plain tensors (FSDP's sharded DTensors are reduced by FSDP itself)."""
+    from torch.distributed.tensor import DTensor
+
+    total = torch.zeros(())
+    for p in params:
+        if not isinstance(p, DTensor):
+            total = total.to(p.device) + p.sum().float()
+    return total * 0.0
 
 
 def _vision_zero(model: Any, family: Family) -> torch.Tensor:

@@ -48,12 +48,15 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--precision", default="64-true")
     p.add_argument("--moe", action="store_true", help="CompiledMoERouting on the experts")
+    p.add_argument("--seq-len", type=int, default=0, help="default: 256, 512 for whole images")
+    p.add_argument("--text-share", type=float, default=0.4)
     args = p.parse_args()
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     config = tiny_config(args.family)
-    data = HFData(config, n=120, seq_len=256, text_share=0.4, seed=0)
+    seq_len = args.seq_len or (256 if args.family.startswith("qwen") else 512)
+    data = HFData(config, n=120, seq_len=seq_len, text_share=args.text_share, seed=0)
     model = HFVLM(config)
     moe = vb.CompiledMoERouting(backend="aot_eager", log_every_n_steps=1) if args.moe else None
     counter = CountPacks(moe)

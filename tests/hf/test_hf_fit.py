@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.launch import run_module, run_modules
 
 JOB = "tests.hf.hf_fit_job"
+FP32 = ("--precision", "32-true")
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +24,12 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [
             (JOB, "--out", str(root / "ddp"), "--strategy", "ddp"),
             (JOB, "--out", str(root / "vlmbalance"), "--strategy", "vlmbalance"),
-            (
-                JOB,
-                "--out",
-                str(root / "moe"),
-                "--family",
-                "qwen3_vl_moe",
-                "--moe",
-                "--precision",
-                "32-true",
-            ),
+            (JOB, "--out", str(root / "moe"), "--family", "qwen3_vl_moe", "--moe", *FP32),
+            # whole-image families, text-only packs in the mix
+            *[
+                (JOB, "--out", str(root / f), "--family", f, *FP32, "--text-share", share)
+                for f, share in (("llava_onevision", "0.75"), ("idefics3", "0.9"))
+            ],
         ],
         parallel=2,
     )
@@ -65,6 +62,15 @@ def test_compiled_moe_routing_trains_qwen3_vl_moe(fits: Path) -> None:
     assert moe["steps"] == 4 and moe["moe_layers"] == 2
     assert "moe/max_load" in moe["metrics"]
     assert moe["loss"] == moe["loss"]  # finite
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "idefics3"])
+def test_whole_image_families_train_with_text_only_packs(fits: Path, family: str) -> None:
+    """LLaVA-OneVision (some vision parameters its forward never uses) and Idefics3 (tiles) train
+    under "vlmbalance" on 2 ranks, with text-only packs on both ranks: no DDP error, no hang."""
+    res = _result(fits, family)
+    assert res["steps"] == 4 and all(n > 0 for n in res["text_only"])
+    assert res["loss"] == res["loss"]
 
 
 def test_hf_main_job_trains_and_logs(tmp_path: Path) -> None:
