@@ -22,7 +22,7 @@ Public API (everything else is private):
   :class:`SyntheticVLMDataset`, :func:`read_length_csv`.
 """
 
-from lightning_vlmbalance.attention import flash_attn_available, packed_attention
+from lightning_vlmbalance.attention import attention_backend, flash_attn_available, packed_attention
 from lightning_vlmbalance.balance import (
     CostModel,
     ExchangeError,
@@ -79,6 +79,7 @@ __all__ = [
     "StragglerMonitor",
     "SyntheticVLMDataset",
     "VLMBalanceStrategy",
+    "attention_backend",
     "build_epoch_plan",
     "flash_attn_available",
     "offload_activations",
