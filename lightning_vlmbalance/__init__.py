@@ -47,7 +47,7 @@ from lightning_vlmbalance.packing import (
     pack_greedy,
     packing_efficiency,
 )
-from lightning_vlmbalance.strategy import Rebalancer, VLMBalanceStrategy
+from lightning_vlmbalance.strategy import FSDPVLMBalanceStrategy, Rebalancer, VLMBalanceStrategy
 from lightning_vlmbalance.synthetic import (
     LengthTable,
     SyntheticVLMDataset,
@@ -65,6 +65,7 @@ __all__ = [
     "CostModel",
     "EpochPlan",
     "ExchangeError",
+    "FSDPVLMBalanceStrategy",
     "LengthTable",
     "PackCollator",
     "PackedDataLoader",

@@ -32,13 +32,20 @@ Metrics (logged from rank 0 at the end of each global batch):
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    ModelParallelStrategy,
+    Strategy,
+    StrategyRegistry,
+)
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -48,7 +55,7 @@ from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.loader import RebalancingLoader
 
-__all__ = ["Rebalancer", "VLMBalanceStrategy"]
+__all__ = ["FSDPVLMBalanceStrategy", "Rebalancer", "VLMBalanceStrategy"]
 
 log = logging.getLogger(__name__)
 
@@ -88,21 +95,52 @@ class Rebalancer:
         self.loader: RebalancingLoader | None = None
         self._exchange_group: dist.ProcessGroup | None = None
         self._payload_group: dist.ProcessGroup | None = None
+        self._group_ranks: list[int] | None = None  # global ranks of the exchange group
         self._trainer: Any = None
         self._sigterm_pending = False
         self._logged_batches = 0
 
+    def data_parallel(self) -> tuple[int, int]:
+        """``(size, rank)`` of this rank's data-parallel group: the world under DDP, the
+        ``data_parallel`` dimension of the device mesh under model parallelism."""
+        kwargs = self.strategy.distributed_sampler_kwargs or {}
+        size = int(kwargs.get("num_replicas", self.strategy.world_size))
+        return size, int(kwargs.get("rank", self.strategy.global_rank))
+
     def setup_groups(self) -> None:
-        """After the world process group exists: the exchange's own groups."""
-        if self.strategy.world_size <= 1:
+        """After the world process group (and the device mesh) exist: the exchange's own groups.
+
+        With tensor parallelism the data-parallel group is smaller than the world: the ranks of
+        one tensor-parallel group compute the same packs, so plans and exchanges run among the
+        data-parallel peers that share a tensor-parallel rank, one group per tensor-parallel rank
+        (every rank creates every group, in the same order, as ``new_group`` requires).
+        """
+        world = self.strategy.world_size
+        if world <= 1:
             return
         timeout = timedelta(seconds=self.config.exchange_timeout_s)
-        # a process group of its own: the exchange never interleaves with DDP's all-reduce
-        self._exchange_group = dist.new_group(backend="gloo", timeout=timeout)
+        size, _ = self.data_parallel()
+        if size == world:
+            peer_groups = [list(range(world))]
+        else:
+            mesh = self.strategy.device_mesh.mesh  # (data_parallel, tensor_parallel) global ranks
+            peer_groups = mesh.reshape(size, -1).T.tolist()
         device = self.strategy.root_device
-        if self.gpu_payloads and device.type == "cuda" and dist.get_backend() == "nccl":
+        gpu = self.gpu_payloads and device.type == "cuda" and dist.get_backend() == "nccl"
+        me = self.strategy.global_rank
+        for ranks in peer_groups:
+            whole = len(ranks) == world
+            # a process group of its own: the exchange never interleaves with the gradient sync
+            group = dist.new_group(ranks=None if whole else ranks, backend="gloo", timeout=timeout)
             # payloads travel GPU to GPU on an NCCL group of their own, on a side stream
-            self._payload_group = dist.new_group(backend="nccl", timeout=timeout)
+            payload = (
+                dist.new_group(ranks=None if whole else ranks, backend="nccl", timeout=timeout)
+                if gpu
+                else None
+            )
+            if me in ranks:
+                self._exchange_group, self._payload_group = group, payload
+                self._group_ranks = None if whole else [int(r) for r in ranks]
 
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
@@ -138,9 +176,10 @@ class Rebalancer:
         self.loader = RebalancingLoader(
             dataloader,  # type: ignore[arg-type]
             micro_steps=trainer.accumulate_grad_batches,
-            world_size=self.strategy.world_size,
-            rank=self.strategy.global_rank,
+            world_size=self.data_parallel()[0],
+            rank=self.data_parallel()[1],
             group=self._exchange_group,
+            group_ranks=self._group_ranks,
             cost_model=self.cost_model,
             config=self.config,
             payload_group=self._payload_group,
@@ -216,9 +255,48 @@ class Rebalancer:
                 except (RuntimeError, ValueError) as err:  # pragma: no cover - best effort
                     log.debug("could not destroy an exchange group: %s", err)
         self._exchange_group = self._payload_group = None
+        self._group_ranks = None
 
 
-class VLMBalanceStrategy(DDPStrategy):
+def _config_from(
+    owner: str,
+    config: RebalanceConfig | None,
+    **fields: Any,
+) -> RebalanceConfig:
+    given = {k: v for k, v in fields.items() if v is not None}
+    if config is not None and given:
+        raise ValueError(
+            f"`{owner}(config=..., {', '.join(given)}=...)`: give the options either in the"
+            " config or as arguments"
+        )
+    return config if config is not None else RebalanceConfig(**given)
+
+
+class _RebalancingProperties:
+    """What both rebalancing strategies expose of their :class:`Rebalancer`."""
+
+    rebalancer: Rebalancer
+
+    @property
+    def config(self) -> RebalanceConfig:
+        """The rebalancing options, ``objective`` resolved."""
+        return self.rebalancer.config
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def resolved_objective(self) -> str:
+        return self.config.objective
+
+    @property
+    def rebalancing_loader(self) -> RebalancingLoader | None:
+        """The training loader's RebalancingLoader (after the loader was requested)."""
+        return self.rebalancer.loader
+
+
+class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):
     """DDP with overlapped cross-rank rebalancing of packs (see the module docstring).
 
     Args:
@@ -259,22 +337,14 @@ class VLMBalanceStrategy(DDPStrategy):
         gpu_payloads: bool = True,
         **kwargs: Any,
     ) -> None:
-        fields = {
-            k: v
-            for k, v in (
-                ("mode", mode),
-                ("objective", objective),
-                ("tolerance", tolerance),
-                ("exchange_timeout_s", exchange_timeout_s),
-            )
-            if v is not None
-        }
-        if config is not None and fields:
-            raise ValueError(
-                f"`VLMBalanceStrategy(config=..., {', '.join(fields)}=...)`: give the options"
-                " either in the config or as arguments"
-            )
-        config = config if config is not None else RebalanceConfig(**fields)
+        config = _config_from(
+            "VLMBalanceStrategy",
+            config,
+            mode=mode,
+            objective=objective,
+            tolerance=tolerance,
+            exchange_timeout_s=exchange_timeout_s,
+        )
         super().__init__(**kwargs)
         self.rebalancer = Rebalancer(
             self,
@@ -283,24 +353,6 @@ class VLMBalanceStrategy(DDPStrategy):
             sync_every_micro_batch=sigterm_every_micro_batch,
             gpu_payloads=gpu_payloads,
         )
-
-    @property
-    def config(self) -> RebalanceConfig:
-        """The rebalancing options, ``objective`` resolved."""
-        return self.rebalancer.config
-
-    @property
-    def mode(self) -> str:
-        return self.config.mode
-
-    @property
-    def resolved_objective(self) -> str:
-        return self.config.objective
-
-    @property
-    def rebalancing_loader(self) -> RebalancingLoader | None:
-        """The training loader's RebalancingLoader (after the loader was requested)."""
-        return self.rebalancer.loader
 
     @classmethod
     @override
@@ -340,3 +392,148 @@ class VLMBalanceStrategy(DDPStrategy):
 
 
 VLMBalanceStrategy.register_strategies(StrategyRegistry)  # the names work once imported
+
+
+class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
+    """FSDP2 (Lightning's ``ModelParallelStrategy``) with the same rebalancing as
+    ``"vlmbalance"``: ``Trainer(strategy="fsdp_vlmbalance")``.
+
+    The LightningModule shards itself in ``configure_model`` (``fully_shard`` from
+    ``torch.distributed.fsdp``, tensor parallelism with ``self.device_mesh["tensor_parallel"]``),
+    as under ``ModelParallelStrategy``. The default mesh puts every rank in the data-parallel
+    (sharding) dimension: ``ModelParallelStrategy()``'s own default on one node is 1 x
+    ``devices`` tensor-parallel, which would neither shard across the devices nor rebalance.
+
+    Synchronisation: FSDP2 all-gathers the parameters in every micro-batch's forward and
+    reduce-scatters gradients in every micro-batch's backward, so the ranks meet at every
+    micro-batch and ``objective="auto"`` means ``"microstep"``. With
+    ``gradient_sync_every_micro_batch=False`` the reduce-scatter waits for the last micro-batch
+    of the step (``set_requires_gradient_sync(False)`` before), but the forward all-gathers still
+    meet every micro-batch: ``"microstep"`` still applies.
+
+    With tensor parallelism the ranks of one tensor-parallel group compute the same pack: plans
+    and exchanges run over the data-parallel dimension, each group of data-parallel peers with
+    the same tensor-parallel rank exchanging among themselves, and the loss weight divides by
+    the data-parallel size (``gradient_average_ranks``).
+
+    Args:
+        mode, objective, tolerance, exchange_timeout_s, config, cost_model, gpu_payloads: as for
+            :class:`VLMBalanceStrategy`.
+        data_parallel_size: default: every rank (``world_size / tensor_parallel_size``).
+        tensor_parallel_size: default 1.
+        gradient_sync_every_micro_batch: ``False`` skips FSDP's gradient reduce-scatter in the
+            accumulating micro-batches (the full unsharded gradient is kept until the last).
+        **kwargs: passed to ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
+            ``process_group_backend``, ``timeout``).
+
+    Example::
+
+        trainer = L.Trainer(strategy="fsdp_vlmbalance", devices=8, accumulate_grad_batches=8)
+    """
+
+    strategy_name = "fsdp_vlmbalance"
+
+    def __init__(
+        self,
+        *,
+        mode: str | None = None,
+        objective: str | None = None,
+        tolerance: float | None = None,
+        exchange_timeout_s: float | None = None,
+        config: RebalanceConfig | None = None,
+        cost_model: CostModel | str | None = None,
+        gpu_payloads: bool = True,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int | str = 1,
+        gradient_sync_every_micro_batch: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        config = _config_from(
+            "FSDPVLMBalanceStrategy",
+            config,
+            mode=mode,
+            objective=objective,
+            tolerance=tolerance,
+            exchange_timeout_s=exchange_timeout_s,
+        )
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            **kwargs,
+        )
+        self.gradient_sync_every_micro_batch = gradient_sync_every_micro_batch
+        # FSDP meets at every micro-batch (forward all-gathers): SIGTERM is agreed on there too
+        self.rebalancer = Rebalancer(
+            self, config, cost_model, sync_every_micro_batch=True, gpu_payloads=gpu_payloads
+        )
+
+    @property
+    def gradient_average_ranks(self) -> int:
+        """FSDP averages gradients over the data-parallel dimension (the loss contract's ``R``)."""
+        return int(self.distributed_sampler_kwargs["num_replicas"])
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="FSDP2 with overlapped cross-rank rebalancing of packs",
+            override=True,
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        if self._tensor_parallel_size == "auto":
+            self._tensor_parallel_size = 1
+        if self._data_parallel_size == "auto":
+            world = self.num_nodes * self.num_processes
+            if world % int(self._tensor_parallel_size):
+                raise ValueError(
+                    f"`FSDPVLMBalanceStrategy(tensor_parallel_size={self._tensor_parallel_size})`"
+                    f" does not divide the {world} ranks"
+                )
+            self._data_parallel_size = world // int(self._tensor_parallel_size)
+        super().setup_environment()
+        self.rebalancer.setup_groups()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        self.rebalancer.setup(trainer)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.rebalancer.wrap_loader(super().process_dataloader(dataloader))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().training_step(*args, **kwargs)
+        self.rebalancer.log_stats()
+        return out
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning calls this around the accumulating micro-batches' backward."""
+        if self.gradient_sync_every_micro_batch:
+            yield None
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for m in sharded:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            for m in sharded:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+    @override
+    def teardown(self) -> None:
+        self.rebalancer.teardown()
+        super().teardown()
+
+
+FSDPVLMBalanceStrategy.register_strategies(StrategyRegistry)

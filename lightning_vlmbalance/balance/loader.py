@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -160,6 +160,8 @@ class RebalancingLoader:
         epoch_batches: returns how many batches the training loop takes this epoch (Lightning's
             ``trainer.num_training_batches``: ``len`` cut by ``limit_train_batches`` and
             ``fast_dev_run``); the last optimizer step ends there. Default: every batch.
+        group_ranks: the global rank of each rank of ``group`` when it is not the world (the
+            data-parallel peers of one tensor-parallel rank); default: ranks are global.
 
     Raises:
         ValueError: for a bad setting (naming it).
@@ -178,6 +180,7 @@ class RebalancingLoader:
         payload_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         epoch_batches: Callable[[], float] | None = None,
+        group_ranks: Sequence[int] | None = None,
         **options: Any,
     ) -> None:
         if micro_steps < 1:
@@ -191,6 +194,12 @@ class RebalancingLoader:
         self.world_size = world_size
         self.rank = rank
         self.group = group
+        # the global rank of each rank of ``group`` (a data-parallel group smaller than the world)
+        self.group_ranks = list(group_ranks) if group_ranks is not None else None
+        if self.group_ranks is not None and len(self.group_ranks) != world_size:
+            raise ValueError(
+                f"`RebalancingLoader(group_ranks={self.group_ranks})` must name {world_size} ranks"
+            )
         self.cost_model = cost_model or CostModel()
         self.payload_group = payload_group
         self.device = torch.device("cpu") if device is None else torch.device(device)
@@ -375,10 +384,14 @@ class RebalancingLoader:
             if self.device.type == "cuda" and self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
             start = time.perf_counter()
+            moves = [tuple(int(x) for x in mv) for mv in plan.moves]
+            g = self.group_ranks
+            if g is not None:  # point-to-point messages name global ranks
+                moves = [(p, g[src], g[dst]) for p, src, dst in moves]
             received = exchange_packs(
                 mine,
-                [tuple(int(x) for x in mv) for mv in plan.moves],
-                rank=r,
+                moves,
+                rank=r if g is None else g[r],
                 group=self.group,
                 timeout_s=self.exchange_timeout_s,
                 payload_group=self.payload_group,

@@ -164,7 +164,11 @@ class ActivationOffloader:
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Never offload these tensors or views of their storage (parameters, buffers)."""
         for t in tensors:
-            self._excluded.add(t.untyped_storage().data_ptr())
+            local = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2, tensor parallel): its shard
+            try:
+                self._excluded.add(local.untyped_storage().data_ptr())
+            except RuntimeError:  # no storage to point at (FSDP2's freed unsharded parameters)
+                continue
 
     def mark(self, t: torch.Tensor) -> None:
         """In ``"checkpoint"`` mode: offload ``t`` when autograd saves it (during this forward)."""

@@ -96,6 +96,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         self.config = config if config is not None else PackingConfig(**options)
         # given values are kept; defaults follow the process group, even one initialised later
         self._auto_replicas, self._auto_rank = num_replicas is None, rank is None
+        self._data_parallel: tuple[int, int] | None = None
         self.num_replicas = _dist_default(num_replicas, "get_world_size", 1)
         self.rank = _dist_default(rank, "get_rank", 0)
         self._check_rank()
@@ -118,8 +119,12 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         (say in a DataModule's ``__init__``) must not plan as if it were alone."""
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return
-        world = torch.distributed.get_world_size() if self._auto_replicas else self.num_replicas
-        rank = torch.distributed.get_rank() if self._auto_rank else self.rank
+        if self._data_parallel is not None:  # the strategy's data-parallel group
+            auto_world, auto_rank = self._data_parallel
+        else:
+            auto_world, auto_rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        world = auto_world if self._auto_replicas else self.num_replicas
+        rank = auto_rank if self._auto_rank else self.rank
         if (world, rank) != (self.num_replicas, self.rank):
             log.info(
                 "PackingSampler: rank %d of %d now that the process group exists (was %d of %d)",
@@ -130,6 +135,14 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             )
             self.num_replicas, self.rank, self._plan = world, rank, None
             self._check_rank()
+
+    def set_data_parallel(self, num_replicas: int, rank: int) -> None:
+        """The data-parallel group's size and this rank in it, where the sampler's were left to
+        default: under tensor parallelism (a strategy's ``distributed_sampler_kwargs``) the ranks
+        of one tensor-parallel group compute the same packs, so the data-parallel world is
+        smaller than the process group. Values given at construction are kept."""
+        self._data_parallel = (int(num_replicas), int(rank))
+        self._sync_with_process_group()
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose plan is yielded (Lightning calls this every epoch)."""
@@ -182,6 +195,20 @@ def _image_feature_shape(dataset: Dataset, sampler: PackingSampler) -> tuple[int
     if len(with_images) == 0:
         return None
     return tuple(torch.as_tensor(dataset[int(with_images[0])]["pixel_values"]).shape[1:])
+
+
+def _sampler_kwargs(trainer: Any) -> dict[str, int] | None:
+    """The strategy's data-parallel ``num_replicas`` and ``rank`` (None without a process group
+    or for a single-device strategy)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    try:
+        kwargs = trainer.strategy.distributed_sampler_kwargs
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+    if not kwargs or "num_replicas" not in kwargs or "rank" not in kwargs:
+        return None
+    return kwargs
 
 
 def _check_ranks_agree(sampler: PackingSampler) -> None:
@@ -319,7 +346,14 @@ class PackedDataLoader:
         if self.collate_fn.image_feature_shape is None:
             self.collate_fn.image_feature_shape = _image_feature_shape(dataset, sampler)
 
+    def _adopt_data_parallel(self) -> None:
+        """Under tensor parallelism, plan over the strategy's data-parallel group."""
+        kwargs = _sampler_kwargs(self.trainer) if self.trainer is not None else None
+        if kwargs is not None:
+            self.sampler.set_data_parallel(kwargs["num_replicas"], kwargs["rank"])
+
     def __len__(self) -> int:
+        self._adopt_data_parallel()
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -330,6 +364,7 @@ class PackedDataLoader:
         # The epoch and the start are read at the first ``next()``, not at ``iter()``: Lightning
         # creates the iterator before it calls ``set_epoch`` for the epoch.
         self._pending = False
+        self._adopt_data_parallel()
         if self._overfitting():
             # Trainer(overfit_batches=N): the same first N packs of one plan every epoch
             self.sampler.set_epoch(0)

@@ -1,4 +1,5 @@
-"""A 2-process CPU fit with ``strategy="vlmbalance"`` or ``"ddp"``, for the strategy tests.
+"""A 2-process CPU fit with ``strategy="vlmbalance"``, ``"ddp"``, ``"fsdp_vlmbalance"`` or
+``"fsdp"`` (plain FSDP2), for the strategy tests.
 
     python -m tests.balance.strategy_job --out DIR --strategy vlmbalance --mode sync
 
@@ -22,6 +23,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 import lightning_vlmbalance as vb
 from lightning_vlmbalance.balance.loader import RebalancingLoader
@@ -106,8 +108,38 @@ class RecordingAdamW(torch.optim.AdamW):
 
 class Job(RecordingVLM):
     record_grads = False
+    float64 = False  # set under FSDP for --precision 64-true
+
+    def configure_model(self) -> None:
+        """Under FSDP2 (``--strategy fsdp`` / ``fsdp_vlmbalance``): every block and embedding is
+        an FSDP unit over the data-parallel mesh, the rest of the model the root unit."""
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        if self.float64:
+            self.double()
+        mesh = self.device_mesh["data_parallel"]
+        # the embeddings are called outside the language model's forward: units of their own
+        for block in [*self.vision.blocks, *self.llm.blocks, self.llm.embed, self.llm.pos]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)  # the root: its forward comes first
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters on every rank (a collective under FSDP)."""
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return {k: v.detach().clone() for k, v in self.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self, options=options)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        if self.float64:
+            batch["pixel_values"] = batch["pixel_values"].double()
         self.weights.append(
             (
                 self.trainer.global_step,
@@ -153,6 +185,8 @@ class Job(RecordingVLM):
                     "optimizer_steps": self.trainer.global_step,
                     "logged": sorted(k for k in self.trainer.callback_metrics if "balance" in k),
                     "weights": self.weights,
+                    "dtensor_params": _dtensor_params(self),
+                    "objective": getattr(strategy, "resolved_objective", None),
                 }
             )
         )
@@ -162,11 +196,30 @@ class Job(RecordingVLM):
                 names = list(pre["grads_pre"])
                 merged.append({**pre, "grads_post": dict(zip(names, post["grads_post"]))})
             torch.save(merged, Path(self.out) / "grads.pt")
+        params = self.full_state_dict()
         if self.global_rank == 0:
-            torch.save(
-                {k: v.detach().clone() for k, v in self.state_dict().items()},
-                Path(self.out) / "params.pt",
-            )
+            torch.save(params, Path(self.out) / "params.pt")
+
+
+def _dtensor_params(module: torch.nn.Module) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _strategy(args: argparse.Namespace) -> Any:
+    timeout = args.exchange_timeout_s
+    if args.strategy == "vlmbalance":
+        return vb.VLMBalanceStrategy(mode=args.mode, exchange_timeout_s=timeout)
+    if args.strategy == "fsdp_vlmbalance":
+        return vb.FSDPVLMBalanceStrategy(
+            mode=args.mode,
+            exchange_timeout_s=timeout,
+            gradient_sync_every_micro_batch=not args.no_sync_accumulation,
+        )
+    if args.strategy == "fsdp":  # plain FSDP2, every rank data-parallel
+        return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    return args.strategy
 
 
 def main() -> None:
@@ -192,6 +245,11 @@ def main() -> None:
     p.add_argument("--precision", default="64-true")
     p.add_argument("--overfit-batches", type=float, default=0.0)
     p.add_argument(
+        "--no-sync-accumulation",
+        action="store_true",
+        help="fsdp_vlmbalance: no gradient reduce-scatter in accumulating micro-batches",
+    )
+    p.add_argument(
         "--all-callbacks",
         action="store_true",
         help="StragglerMonitor, ActivationOffload(test_mode) and CompiledMoERouting too",
@@ -204,9 +262,7 @@ def main() -> None:
     table = vb.synthetic_length_table(
         args.samples, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
     )
-    strategy: Any = args.strategy
-    if args.strategy == "vlmbalance":
-        strategy = vb.VLMBalanceStrategy(mode=args.mode, exchange_timeout_s=args.exchange_timeout_s)
+    strategy = _strategy(args)
     if args.fail_rank is not None:
         _fail_exchange(args.fail_rank, args.fail_at)
     data = (
@@ -230,6 +286,9 @@ def main() -> None:
             vb.ActivationOffload(test_mode=True, min_bytes=0),  # offloads every saved tensor
             vb.CompiledMoERouting(backend="aot_eager", log_every_n_steps=1),
         ]
+    # ModelParallelStrategy refuses precision="64-true": under FSDP the model itself is made
+    # float64 in configure_model and Lightning's "32-true" leaves it alone
+    fsdp64 = args.strategy.startswith("fsdp") and args.precision == "64-true"
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -237,7 +296,7 @@ def main() -> None:
         max_steps=args.max_steps,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
-        precision=args.precision,
+        precision="32-true" if fsdp64 else args.precision,
         logger=False,
         enable_checkpointing=bool(args.checkpoint_every),
         callbacks=callbacks,
@@ -251,6 +310,7 @@ def main() -> None:
     )
     model = Job(args.out, **SMALL_VLM, max_positions=seq_len)
     model.record_grads = args.record_grads
+    model.float64 = fsdp64
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
 
 

@@ -1,0 +1,128 @@
+"""`strategy="fsdp_vlmbalance"` (FSDP2 through Lightning's ModelParallelStrategy) in real 2-process
+CPU fits: the parameters equal plain FSDP2's, the parameters are sharded, packs change rank,
+every sample once per epoch, resume from a sharded checkpoint, a failing rank stops the job."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_vlmbalance as vb
+from tests.balance.test_strategy import _fit, _job, _max_rel_diff, _packs, _result
+from tests.launch import run_module_raw, run_modules
+
+# 300 samples: 14 optimizer steps of 3 micro-batches per rank in the epoch
+EPOCH = ("--samples", "300", "--epochs", "1", "--max-steps", "-1", "--accumulate", "3")
+FSDP = ("--strategy", "fsdp_vlmbalance")
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> dict:
+    """One epoch each of plain FSDP2 and fsdp_vlmbalance in every mode, float64."""
+    root = tmp_path_factory.mktemp("fsdp_fits")
+    every4 = ("--checkpoint-every", "4")
+    jobs = {
+        "fsdp": ("--strategy", "fsdp", *EPOCH, *every4),
+        "overlap": (*FSDP, "--mode", "overlap", *EPOCH, *every4),
+        "sync": (*FSDP, "--mode", "sync", *EPOCH),
+        "off": (*FSDP, "--mode", "off", *EPOCH),
+        "no_sync_accumulation": (*FSDP, "--no-sync-accumulation", *EPOCH),
+    }
+    run_modules([_job(root / name, *args) for name, args in jobs.items()])
+    return {"root": root, **{name: _result(root / name) for name in jobs}}
+
+
+@pytest.mark.parametrize("mode", ["overlap", "sync", "off", "no_sync_accumulation"])
+def test_same_parameters_as_plain_fsdp(fits, mode) -> None:
+    """Float64, accumulation 3, 2 ranks: every mode ends with plain FSDP2's parameters, which
+    really are sharded (DTensors), while packs changed rank."""
+    run, plain = fits[mode], fits["fsdp"]
+    steps = plain[0]["optimizer_steps"]
+    assert steps >= 10 and run[0]["optimizer_steps"] == steps
+    assert run[0]["dtensor_params"] > 0 and plain[0]["dtensor_params"] > 0
+    assert _max_rel_diff(run["params"], plain["params"]) < 1e-10
+    assert _packs(run) == _packs(plain)
+    assert run[0]["objective"] == "microstep"  # FSDP meets at every micro-batch
+    moved = sum(s["moved_packs"] for s in run[0]["stats"])
+    if mode == "off":
+        assert moved == 0
+    else:
+        assert moved > 0, f"{mode}: nothing changed rank, the test would prove nothing"
+
+
+@pytest.mark.parametrize("mode", ["overlap", "sync"])
+def test_every_sample_once_per_epoch(fits, mode) -> None:
+    ids = sorted(
+        s for r in (0, 1) for _, _, sample_ids in fits[mode][r]["seen"] for s in sample_ids
+    )
+    assert ids == list(range(300))
+
+
+def test_resume_from_a_sharded_checkpoint(fits, tmp_path) -> None:
+    """Stop after step 4, resume from its distributed checkpoint (a folder of shards): the same
+    packs in the same places as the uninterrupted run, and plain FSDP2's parameters resumed the
+    same way."""
+    root = fits["root"]
+    ckpt = root / "overlap" / "ckpt" / "step=4.ckpt"
+    assert ckpt.is_dir() and any(ckpt.iterdir())  # sharded, not one file
+    resumed = _fit(tmp_path / "overlap", *FSDP, *EPOCH, "--resume", str(ckpt))
+    for r in (0, 1):  # 4 optimizer steps x 3 micro-batches were done before the checkpoint
+        assert resumed[r]["seen"] == fits["overlap"][r]["seen"][4 * 3 :]
+    plain = _fit(
+        tmp_path / "fsdp",
+        "--strategy",
+        "fsdp",
+        *EPOCH,
+        "--resume",
+        str(root / "fsdp" / "ckpt" / "step=4.ckpt"),
+    )
+    assert _max_rel_diff(resumed["params"], plain["params"]) < 1e-10
+
+
+def test_a_rank_failing_in_its_exchange_stops_every_rank(tmp_path) -> None:
+    """Rank 1 raises inside its exchange: the job stops, no hang (a hang runs into the
+    subprocess timeout, an error of the test)."""
+    proc = run_module_raw(
+        *_job(tmp_path, *FSDP, "--fail-rank", "1", "--fail-at", "3"),
+        "--exchange-timeout-s",
+        "10",
+        timeout=240,
+    )
+    assert proc.returncode != 0
+    assert "failed on purpose" in proc.stderr or "ExchangeError" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_every_callback_composes(tmp_path) -> None:
+    """StragglerMonitor, ActivationOffload and CompiledMoERouting with fsdp_vlmbalance."""
+    run = _fit(
+        tmp_path,
+        *FSDP,
+        "--all-callbacks",
+        "--precision",
+        "32-true",
+        "--max-steps",
+        "4",
+        "--accumulate",
+        "2",
+    )
+    assert run[0]["optimizer_steps"] == 4
+    assert all(torch.isfinite(v.float()).all() for v in run["params"].values())
+    assert list((tmp_path / "straggler").glob("*.jsonl"))
+
+
+def test_registered_by_name() -> None:
+    assert "fsdp_vlmbalance" in StrategyRegistry
+    strategy = StrategyRegistry.get("fsdp_vlmbalance")
+    assert isinstance(strategy, vb.FSDPVLMBalanceStrategy)
+    assert strategy.config.objective == "microstep"
+    with pytest.raises(ValueError, match="either in the config or as arguments"):
+        vb.FSDPVLMBalanceStrategy(config=vb.RebalanceConfig(), mode="sync")
+
+
+def test_tensor_parallel_size_must_divide_the_ranks() -> None:
+    strategy = vb.FSDPVLMBalanceStrategy(tensor_parallel_size=3)
+    strategy.num_nodes = 1
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    with pytest.raises(ValueError, match="does not divide the 2 ranks"):
+        strategy.setup_environment()
