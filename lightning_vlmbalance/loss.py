@@ -193,6 +193,17 @@ def check_weighted_for(batch: dict[str, Any], module: Any) -> None:
 
 
 def gradient_ranks(trainer: Any) -> int:
-    """Ranks the strategy averages gradients over (DDP: the world size)."""
-    ranks = getattr(trainer.strategy, "gradient_average_ranks", None)
-    return int(ranks) if ranks is not None else int(trainer.world_size)
+    """Ranks the strategy averages gradients over: its ``gradient_average_ranks`` if it says,
+    else its data-parallel size (``distributed_sampler_kwargs["num_replicas"]``: the world under
+    DDP, the ``data_parallel`` mesh dimension under ``ModelParallelStrategy``), else the world."""
+    strategy = trainer.strategy
+    ranks = getattr(strategy, "gradient_average_ranks", None)
+    if ranks is not None:
+        return int(ranks)
+    try:
+        kwargs = strategy.distributed_sampler_kwargs
+    except (AttributeError, RuntimeError, AssertionError):  # no mesh yet, one device
+        kwargs = None
+    if kwargs and "num_replicas" in kwargs:
+        return int(kwargs["num_replicas"])
+    return int(trainer.world_size)

@@ -60,3 +60,44 @@ def run_modules(jobs: list[tuple[str, ...]], *, parallel: int = 2, timeout: int 
         if proc.returncode != 0:
             failed.append(f"{' '.join(job)}: exit {proc.returncode}\n{out[-4000:]}")
     assert not failed, "\n\n".join(failed)
+
+
+def run_nodes(module: str, *args: str, num_nodes: int = 2, timeout: int = 600) -> None:
+    """Runs ``python -m module *args`` once per node, all on this machine, as Lightning's
+    multi-node launch expects (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): each node's
+    process starts its own local ranks. Any non-zero exit fails the test."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node in range(num_nodes):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "NODE_RANK": str(node),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    failed = []
+    for node, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            out, _ = proc.communicate()
+        if proc.returncode != 0:
+            failed.append(f"node {node}: exit {proc.returncode}\n{out[-4000:]}")
+    assert not failed, "\n\n".join(failed)

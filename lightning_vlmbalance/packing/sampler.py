@@ -406,9 +406,14 @@ class PackedDataLoader:
         ):
             local = sum(int(b["loss_tokens"]) for b in step)
             tokens = torch.tensor([local], dtype=torch.int64, device=trainer.strategy.root_device)
+            copies = 1
             if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
                 torch.distributed.all_reduce(tokens)  # one small all-reduce per optimizer step
-            weigh_step(step, global_loss_tokens=int(tokens), ranks=ranks, micro_steps=micro_steps)
+                # under tensor parallelism every data-parallel rank's packs are on each of its
+                # tensor-parallel peers: the world's sum counts them that many times
+                copies = torch.distributed.get_world_size() // self.sampler.num_replicas
+            total = int(tokens) // copies
+            weigh_step(step, global_loss_tokens=total, ranks=ranks, micro_steps=micro_steps)
             yield from step
 
     @property

@@ -119,6 +119,16 @@ class Job(RecordingVLM):
 
         if self.float64:
             self.double()
+        if self.device_mesh["tensor_parallel"].size() > 1:  # the language model's MLPs
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            plan = {"ffn.up": ColwiseParallel(), "ffn.down": RowwiseParallel()}
+            for block in self.llm.blocks:
+                parallelize_module(block, self.device_mesh["tensor_parallel"], plan)
         mesh = self.device_mesh["data_parallel"]
         # the embeddings are called outside the language model's forward: units of their own
         for block in [*self.vision.blocks, *self.llm.blocks, self.llm.embed, self.llm.pos]:
@@ -216,9 +226,13 @@ def _strategy(args: argparse.Namespace) -> Any:
             mode=args.mode,
             exchange_timeout_s=timeout,
             gradient_sync_every_micro_batch=not args.no_sync_accumulation,
+            tensor_parallel_size=args.tp,
         )
     if args.strategy == "fsdp":  # plain FSDP2, every rank data-parallel
-        return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+        world = args.devices * args.num_nodes
+        return ModelParallelStrategy(
+            data_parallel_size=world // args.tp, tensor_parallel_size=args.tp
+        )
     return args.strategy
 
 
@@ -244,6 +258,9 @@ def main() -> None:
     p.add_argument("--record-grads", action="store_true", help="rank 0 writes DIR/grads.pt")
     p.add_argument("--precision", default="64-true")
     p.add_argument("--overfit-batches", type=float, default=0.0)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (fsdp strategies)")
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--dense", action="store_true", help="MLPs instead of the MoE feed-forward")
     p.add_argument(
         "--no-sync-accumulation",
         action="store_true",
@@ -292,6 +309,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         max_steps=args.max_steps,
         max_epochs=args.epochs,
@@ -308,7 +326,9 @@ def main() -> None:
         else args.overfit_batches,
         gradient_clip_val=args.clip,
     )
-    model = Job(args.out, **SMALL_VLM, max_positions=seq_len)
+    dense = args.dense or args.tp > 1  # tensor parallelism splits dense MLPs
+    shape = {**SMALL_VLM, "moe_experts": 0} if dense else SMALL_VLM
+    model = Job(args.out, **shape, max_positions=seq_len)
     model.record_grads = args.record_grads
     model.float64 = fsdp64
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)

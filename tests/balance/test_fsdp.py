@@ -4,16 +4,20 @@ every sample once per epoch, resume from a sharded checkpoint, a failing rank st
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_vlmbalance as vb
 from tests.balance.test_strategy import _fit, _job, _max_rel_diff, _packs, _result
-from tests.launch import run_module_raw, run_modules
+from tests.launch import run_module_raw, run_modules, run_nodes
 
-# 300 samples: 14 optimizer steps of 3 micro-batches per rank in the epoch
-EPOCH = ("--samples", "300", "--epochs", "1", "--max-steps", "-1", "--accumulate", "3")
+# 300 samples: 14 optimizer steps of 3 micro-batches per rank in the epoch; dense MLPs (tensor
+# parallelism splits them; MoE under FSDP: test_every_callback_composes)
+EPOCH = ("--samples", "300", "--epochs", "1", "--max-steps", "-1", "--accumulate", "3", "--dense")
 FSDP = ("--strategy", "fsdp_vlmbalance")
 
 
@@ -109,6 +113,54 @@ def test_every_callback_composes(tmp_path) -> None:
     assert run[0]["optimizer_steps"] == 4
     assert all(torch.isfinite(v.float()).all() for v in run["params"].values())
     assert list((tmp_path / "straggler").glob("*.jsonl"))
+
+
+def test_tensor_parallel_ranks_compute_the_same_packs(fits, tmp_path) -> None:
+    """Data-parallel 2 x tensor-parallel 2 on 4 processes (DTensor on gloo): each
+    tensor-parallel pair trains the same packs, plans and exchanges run among the data-parallel
+    peers (packs move), and the parameters equal plain FSDP2 on 2 data-parallel ranks (the same
+    global batches, the MLPs split across the pair)."""
+    run = _fit(tmp_path, *FSDP, *EPOCH, "--tp", "2", "--devices", "4")
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text())["seen"] for r in range(4)]
+    assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]
+    stats = json.loads((tmp_path / "stats0.json").read_text())
+    assert sum(s["moved_packs"] for s in stats["stats"]) > 0
+    assert stats["dtensor_params"] > 0
+    assert _max_rel_diff(run["params"], fits["fsdp"]["params"]) < 1e-10
+
+
+NODES_STEPS = ("--samples", "300", "--max-steps", "8", "--accumulate", "3", "--dense")
+
+
+@pytest.fixture(scope="module")
+def four_rank_ddp(tmp_path_factory) -> Path:
+    """Plain DDP on 4 ranks of one node: the multi-node runs' reference."""
+    out = tmp_path_factory.mktemp("ddp4")
+    run_modules([_job(out, "--strategy", "ddp", "--devices", "4", *NODES_STEPS)])
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["vlmbalance", "fsdp_vlmbalance"])
+def test_two_nodes_of_two_ranks(strategy, four_rank_ddp, tmp_path) -> None:
+    """num_nodes=2 x devices=2 (Lightning's multi-node environment variables, one process per
+    node starting its local ranks): plans and moves use global ranks; the parameters equal plain
+    DDP on 4 ranks of one node, the same samples once per epoch, and packs changed rank."""
+    baseline, out = four_rank_ddp, tmp_path
+    run_nodes(*_job(out, "--strategy", strategy, "--num-nodes", "2", *NODES_STEPS))
+    ref, run = torch.load(baseline / "params.pt"), torch.load(out / "params.pt")
+    assert _max_rel_diff(run, ref) < 1e-10
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["world_size"] == 4 for r in ranks)
+    ref_ranks = [json.loads((baseline / f"rank{r}.json").read_text()) for r in range(4)]
+    for epoch in (0, 1):  # 8 steps run into the second epoch
+        ids = [s for r in ranks for e, _, sample_ids in r["seen"] if e == epoch for s in sample_ids]
+        assert len(ids) == len(set(ids))
+        ref_ids = [
+            s for r in ref_ranks for e, _, sample_ids in r["seen"] if e == epoch for s in sample_ids
+        ]
+        assert sorted(ids) == sorted(ref_ids)
+    stats = json.loads((out / "stats0.json").read_text())
+    assert sum(s["moved_packs"] for s in stats["stats"]) > 0
 
 
 def test_registered_by_name() -> None:
