@@ -8,7 +8,9 @@ tokens by the real epoch plan, one contiguous shard per rank) as ``PackedBatch``
 real pixel tensors (``image_tokens x --pixel-dim`` float16), the real ``RebalancingLoader`` (feature
 all-gather, planner, exchange over a dedicated gloo group, background thread in ``overlap``), and
 one all-reduce on the default group at the end of every global batch: DDP's gradient sync, where
-every rank waits for the slowest (so the objective is ``"step"``).
+every rank waits for the slowest (so the objective is ``"step"``). ``--sync-every microstep``
+all-reduces after every micro-batch instead, as FSDP's per-micro-batch reduce-scatter makes the
+ranks meet under ``"fsdp_vlmbalance"``, and plans with the ``"microstep"`` objective.
 
 Reading is the same in every mode: a reader thread builds the packs ``--read-ahead`` global
 batches ahead (real training reads and collates in DataLoader workers while the GPU computes), so
@@ -30,6 +32,8 @@ Commands (from the repository root, virtualenv active)::
     python benchmarks/rebalance_e2e.py --ranks 8 --ga 8 --steps 30 --mode sync,overlap \\
         --text-share 0.4 --json
     python benchmarks/rebalance_e2e.py --ranks 4 --ga 4 --steps 20 --mode overlap --text-share 0.2
+    python benchmarks/rebalance_e2e.py --ranks 8 --ga 8 --steps 30 --mode overlap \\
+        --text-share 0.4 --sync-every microstep --json
 
 With ``--json`` the last line of stdout is one JSON object: ``{"modes": {mode: {...}}, ...}``
 plus the top-level fields of the last mode requested.
@@ -90,6 +94,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="B",
         help="global batches read and built ahead by a reader thread, in every mode"
         " (0: in line, as before 2026-11-30)",
+    )
+    p.add_argument(
+        "--sync-every",
+        choices=("step", "microstep"),
+        default="step",
+        help="step: one all-reduce per optimizer step (DDP under 'vlmbalance'); microstep: one"
+        " after every micro-batch (FSDP, 'fsdp_vlmbalance'); the planner's objective follows",
     )
     p.add_argument("--time-scale", type=float, default=0.01, help="sleep = cost x this")
     p.add_argument("--pixel-dim", type=int, default=16)
@@ -293,6 +304,8 @@ def _train(
         if measured:
             busy += _busy_s(record)
             micro_records.append(record)
+        if args.sync_every == "microstep" and micro < args.ga - 1:
+            dist.all_reduce(sync)  # FSDP: every micro-batch's backward reduce-scatters
         if micro == args.ga - 1:
             dist.all_reduce(sync)
             if measured and timings is not None:
@@ -325,7 +338,7 @@ def _rank_main(rank: int, world: int, mode: str, args: argparse.Namespace) -> di
         world_size=world,
         rank=rank,
         group=dist.new_group(backend="gloo"),
-        objective="step",
+        objective=args.sync_every,
         mode=mode,
         cost_model=model,
         exchange_timeout_s=EXCHANGE_TIMEOUT_S,
@@ -435,6 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "time_scale": args.time_scale,
                     "pixel_dim": args.pixel_dim,
                     "read_ahead": args.read_ahead,
+                    "sync_every": args.sync_every,
                     "date": datetime.date.today().isoformat(),
                     "python": platform.python_version(),
                     "torch": torch.__version__,

@@ -1,7 +1,8 @@
 """``vlmbalance-sim``: what-if tables and plots of straggler waste and rebalancing gain.
 
     vlmbalance-sim run --data mix.csv --text-share 0.4 --seq-len 8192 --dp 8,64,512,4096 \\
-        --ga 1,8 --strategies off,sync,overlap,budget [--cost-model cost.json] [--json]
+        --ga 1,8 --strategies off,sync,overlap,budget [--cost-model cost.json] [--json] \\
+        [--training-strategy vlmbalance|fsdp_vlmbalance|ddp]
     vlmbalance-sim calibrate OUT/straggler -o cost.json
 
 ``run`` prints a table (or, with ``--json``, a JSON list of rows) and writes a PNG of waste and
@@ -22,6 +23,11 @@ from typing import Any
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.sim.simulate import STRATEGIES, SYNC_EVERY, ExchangeModel, simulate
 from lightning_vlmbalance.synthetic import read_length_csv, resample_text_share
+
+# how often the ranks of each Trainer strategy meet: "vlmbalance" syncs once per optimizer step;
+# FSDP all-gathers and reduce-scatters in every micro-batch; Lightning's plain "ddp" broadcasts its
+# SIGTERM flag at every micro-batch
+SYNC_OF_STRATEGY = {"vlmbalance": "step", "fsdp_vlmbalance": "microstep", "ddp": "microstep"}
 
 _COLUMNS = (
     ("strategy", "{:>8}"),
@@ -90,7 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--strategies", type=comma_list(choices=STRATEGIES), default=list(STRATEGIES))
     run.add_argument("--cost-model", type=Path, default=None, metavar="FILE")
     run.add_argument("--batches", type=int, default=32, help="global batches per configuration")
-    run.add_argument("--sync-every", choices=SYNC_EVERY, default="step")
+    run.add_argument(
+        "--training-strategy",
+        choices=tuple(SYNC_OF_STRATEGY),
+        default="vlmbalance",
+        help="the Trainer strategy modelled: how often its ranks synchronise (vlmbalance: once"
+        " per optimizer step; fsdp_vlmbalance, and Lightning's plain ddp: every micro-batch)",
+    )
+    run.add_argument(
+        "--sync-every",
+        choices=SYNC_EVERY,
+        default=None,
+        help="override the synchronisation of --training-strategy",
+    )
     run.add_argument("--bandwidth-gb-s", type=float, default=ExchangeModel.bandwidth_gb_s)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--plot", type=Path, default=Path("vlmbalance_sim.png"), metavar="PNG")
@@ -124,6 +142,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.sync_every and args.sync_every != SYNC_OF_STRATEGY[args.training_strategy]:
+        raise ValueError(
+            f"`--training-strategy {args.training_strategy}` synchronises every"
+            f" {SYNC_OF_STRATEGY[args.training_strategy]}, not `--sync-every {args.sync_every}`"
+        )
     table = read_length_csv(*args.data)
     if args.text_share is not None:
         table = resample_text_share(table, args.text_share, args.seed)
@@ -145,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:
             exchange=ExchangeModel(bandwidth_gb_s=args.bandwidth_gb_s),
             batches=args.batches,
             seed=args.seed,
-            sync_every=args.sync_every,
+            sync_every=args.sync_every or SYNC_OF_STRATEGY[args.training_strategy],
             progress=bar.update if bar is not None else None,
         )
     finally:

@@ -112,7 +112,17 @@ def test_every_callback_composes(tmp_path) -> None:
     )
     assert run[0]["optimizer_steps"] == 4
     assert all(torch.isfinite(v.float()).all() for v in run["params"].values())
-    assert list((tmp_path / "straggler").glob("*.jsonl"))
+    lines = [
+        json.loads(line)
+        for path in sorted((tmp_path / "straggler").glob("rank_*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    assert {line["rank"] for line in lines} == {0, 1}
+    phases = lines[-1]["phases_ms"]
+    for phase in ("data", "vision_fwd", "llm_fwd", "backward", "optimizer", "lightning_sync"):
+        assert phase in phases
+    # FSDP's collectives run inside forward and backward: no DDP hook times them
+    assert all(line["phases_ms"]["sync_wait"] == 0 for line in lines)
 
 
 def test_tensor_parallel_ranks_compute_the_same_packs(fits, tmp_path) -> None:

@@ -98,6 +98,23 @@ def test_cli_run_json_and_plot(tmp_path, capsys) -> None:
     assert main(["run", "--data", str(tmp_path / "none.csv"), "--no-plot"]) == 2
 
 
+def test_cli_training_strategy_sets_the_synchronisation(tmp_path, capsys) -> None:
+    """fsdp_vlmbalance meets at every micro-batch, vlmbalance once per step: the same off run
+    wastes more under FSDP at ga > 1; a contradicting --sync-every is an error."""
+    csv = tmp_path / "mix.csv"
+    _write_csv(csv, _mix(3000))
+    base = f"run --data {csv} --dp 8 --ga 4 --batches 4 --strategies off --no-plot --json"
+    waste = {}
+    for strategy in ("vlmbalance", "fsdp_vlmbalance"):
+        assert main([*base.split(), "--training-strategy", strategy]) == 0
+        (row,) = json.loads(capsys.readouterr().out)
+        waste[strategy] = row["waste_frac"]
+    assert waste["fsdp_vlmbalance"] > waste["vlmbalance"]
+    args = [*base.split(), "--training-strategy", "fsdp_vlmbalance", "--sync-every", "step"]
+    assert main(args) == 2
+    assert "synchronises every microstep" in capsys.readouterr().err
+
+
 def test_cli_calibrate_recovers_known_coefficients(tmp_path, capsys) -> None:
     """Timings generated from a known model (2% noise), written as StragglerMonitor JSON lines,
     come back as that model."""
