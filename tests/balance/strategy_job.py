@@ -46,6 +46,19 @@ class GlobalTokenData(Data):
 
 
 BROADCASTS = [0]
+SYNC_SKIPS = [0]  # FSDP modules told to skip their gradient reduce-scatter
+
+
+def _count_sync_skips() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_requires_gradient_sync
+
+    def counted(self: Any, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        SYNC_SKIPS[0] += int(not requires_gradient_sync)
+        original(self, requires_gradient_sync, recurse=recurse)
+
+    FSDPModule.set_requires_gradient_sync = counted
 
 
 def _fail_exchange(rank: int, at: int) -> None:
@@ -192,6 +205,7 @@ class Job(RecordingVLM):
                 {
                     "stats": stats,
                     "broadcasts": BROADCASTS[0],
+                    "gradient_sync_skips": SYNC_SKIPS[0],
                     "optimizer_steps": self.trainer.global_step,
                     "logged": sorted(k for k in self.trainer.callback_metrics if "balance" in k),
                     "weights": self.weights,
@@ -274,6 +288,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     _count_broadcasts()
+    _count_sync_skips()
     L.seed_everything(0, verbose=False)
     seq_len = 128
     table = vb.synthetic_length_table(

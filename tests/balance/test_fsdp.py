@@ -48,6 +48,8 @@ def test_same_parameters_as_plain_fsdp(fits, mode) -> None:
     assert _max_rel_diff(run["params"], plain["params"]) < 1e-10
     assert _packs(run) == _packs(plain)
     assert run[0]["objective"] == "microstep"  # FSDP meets at every micro-batch
+    # the reduce-scatter was skipped in the accumulating micro-batches only where asked
+    assert (run[0]["gradient_sync_skips"] > 0) == (mode == "no_sync_accumulation")
     moved = sum(s["moved_packs"] for s in run[0]["stats"])
     if mode == "off":
         assert moved == 0

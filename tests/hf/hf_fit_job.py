@@ -38,6 +38,23 @@ class CountPacks(L.Callback):
             self.moe_layers = max(self.moe_layers, len(self.moe.patched))
 
 
+class ShardedHFVLM(HFVLM):
+    """The example's module sharded with FSDP2: every decoder layer and vision block is a unit,
+    the rest of the Hugging Face model the root unit."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        inner = self.model.model
+        vision = getattr(inner, "visual", None) or getattr(inner, "vision_tower", None)
+        blocks = [*self.model.get_decoder().layers]
+        blocks += [*getattr(vision, "blocks", [])] if vision is not None else []
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)  # the root: training_step calls self.model
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -57,7 +74,7 @@ def main() -> None:
     config = tiny_config(args.family)
     seq_len = args.seq_len or (256 if args.family.startswith("qwen") else 512)
     data = HFData(config, n=120, seq_len=seq_len, text_share=args.text_share, seed=0)
-    model = HFVLM(config)
+    model = ShardedHFVLM(config) if args.strategy.startswith("fsdp") else HFVLM(config)
     moe = vb.CompiledMoERouting(backend="aot_eager", log_every_n_steps=1) if args.moe else None
     counter = CountPacks(moe)
     callbacks: list[Any] = [counter] + ([moe] if moe else [])
@@ -65,7 +82,11 @@ def main() -> None:
         accelerator="cpu",
         devices=2,
         strategy=(
-            vb.VLMBalanceStrategy(mode=args.mode) if args.strategy == "vlmbalance" else "ddp"
+            vb.VLMBalanceStrategy(mode=args.mode)
+            if args.strategy == "vlmbalance"
+            else vb.FSDPVLMBalanceStrategy(mode=args.mode)
+            if args.strategy == "fsdp_vlmbalance"
+            else "ddp"
         ),
         precision=args.precision,
         max_steps=args.max_steps,

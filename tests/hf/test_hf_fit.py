@@ -25,6 +25,7 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
             (JOB, "--out", str(root / "ddp"), "--strategy", "ddp"),
             (JOB, "--out", str(root / "vlmbalance"), "--strategy", "vlmbalance"),
             (JOB, "--out", str(root / "moe"), "--family", "qwen3_vl_moe", "--moe", *FP32),
+            (JOB, "--out", str(root / "fsdp"), "--strategy", "fsdp_vlmbalance", *FP32),
             # whole-image families, text-only packs in the mix
             *[
                 (JOB, "--out", str(root / f), "--family", f, *FP32, "--text-share", share)
@@ -70,6 +71,15 @@ def test_whole_image_families_train_with_text_only_packs(fits: Path, family: str
     under "vlmbalance" on 2 ranks, with text-only packs on both ranks: no DDP error, no hang."""
     res = _result(fits, family)
     assert res["steps"] == 4 and all(n > 0 for n in res["text_only"])
+    assert res["loss"] == res["loss"]
+
+
+def test_fsdp_vlmbalance_trains_the_hf_model_with_text_only_packs(fits: Path) -> None:
+    """Qwen2.5-VL sharded with FSDP2 (every decoder layer and vision block a unit) under
+    "fsdp_vlmbalance": a rank with a text-only pack still runs the vision tower's all-gather and
+    reduce-scatter (the dummy image), so no rank waits forever."""
+    res = _result(fits, "fsdp")
+    assert res["steps"] == 4 and sum(res["text_only"]) > 0
     assert res["loss"] == res["loss"]
 
 
