@@ -26,11 +26,15 @@ Metrics (logged from rank 0 at the end of each global batch):
 ``balance/planned_waste_frac``      the planner's predicted waste after rebalancing
 ``balance/exchange_ms``             time of the exchange itself (in the thread if overlapped)
 ``balance/exposed_exchange_ms``     time the training loop waited for the global batch
+``balance/source_balanced``         1 when the sampler balanced the batch at the source
+                                    (``PackingSampler(balance=...)``: nothing moves); absent
+                                    when packs are exchanged
 ==================================  ======================================================
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -96,6 +100,7 @@ class Rebalancer:
         self._exchange_group: dist.ProcessGroup | None = None
         self._payload_group: dist.ProcessGroup | None = None
         self._group_ranks: list[int] | None = None  # global ranks of the exchange group
+        self.source_balanced = False  # the training loader's sampler balances at the source
         self._trainer: Any = None
         self._sigterm_pending = False
         self._logged_batches = 0
@@ -170,6 +175,13 @@ class Rebalancer:
         if hasattr(dataloader, "weigh_steps"):  # a PackedDataLoader
             dataloader.trainer = trainer  # it needs the trainer for overfit_batches
             dataloader.weigh_steps = False  # the RebalancingLoader weighs the steps (no 2nd sum)
+        sampler = getattr(dataloader, "sampler", None)
+        # balanced at the source: the sampler formed and placed every global batch already, so
+        # nothing moves and no exchange thread starts (only the loss weights are set)
+        self.source_balanced = bool(getattr(sampler, "balanced", False))
+        config = (
+            dataclasses.replace(self.config, mode="off") if self.source_balanced else self.config
+        )
         if self.loader is not None:  # a reload: stop the old loader's pass
             self.loader.close()
         self._logged_batches = 0
@@ -181,7 +193,7 @@ class Rebalancer:
             group=self._exchange_group,
             group_ranks=self._group_ranks,
             cost_model=self.cost_model,
-            config=self.config,
+            config=config,
             payload_group=self._payload_group,
             device=self.strategy.root_device if self._payload_group is not None else None,
             epoch_batches=lambda: trainer.num_training_batches,
@@ -200,6 +212,8 @@ class Rebalancer:
             module.log(
                 f"balance/{key}", float(stats.get(key, 0.0)), rank_zero_only=True, batch_size=1
             )
+        if self.source_balanced:  # which path ran (absent: the pack exchange)
+            module.log("balance/source_balanced", 1.0, rank_zero_only=True, batch_size=1)
 
     # -- preemption (SIGTERM) -----------------------------------------------------------------
     # Lightning's own SIGTERM handler runs a broadcast on the world group inside the signal

@@ -13,12 +13,14 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
+from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.loss import gradient_ranks, optimizer_steps, weigh_step
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import (
@@ -28,6 +30,7 @@ from lightning_vlmbalance.packing.plan import (
     as_length_column,
     build_epoch_plan,
 )
+from lightning_vlmbalance.packing.source import SourceBalance, build_balanced_epoch_plan
 
 __all__ = ["PackedDataLoader", "PackingSampler"]
 
@@ -61,6 +64,18 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             window, min_fill, overlong, remainder, packer, image_budget``).
         num_replicas: data-parallel ranks (default: the initialised process group's world size).
         rank: this rank (default: the process group's rank).
+        balance: balance at the source (:mod:`lightning_vlmbalance.packing.source`): ``True``
+            (the default :class:`~lightning_vlmbalance.CostModel`), a ``CostModel`` or a path to
+            one saved as JSON. Every global batch (``num_replicas x micro_steps`` packs) is
+            formed from the shuffled samples so its packs cost the same, and placed on ranks
+            and micro-steps for ``objective``: ranks read their packs' samples at random
+            instead of a contiguous shard; nothing moves at run time.
+        objective: ``"step"``, ``"microstep"`` or ``"auto"`` (the strategy's: ``"step"``
+            under ``"vlmbalance"``, ``"microstep"`` under ``"fsdp_vlmbalance"``; else ``"step"``).
+        micro_steps: packs per rank per global batch (default: the Trainer's
+            ``accumulate_grad_batches`` when the loader knows the trainer, else 1).
+        images: images of each sample (default: one per sample with image tokens); a cost
+            feature.
 
     Raises:
         ValueError: for a bad length table or setting, naming the sample or the setting.
@@ -80,6 +95,10 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         config: PackingConfig | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
+        balance: bool | CostModel | str | None = None,
+        objective: str = "auto",
+        micro_steps: int | None = None,
+        images: Sequence[int] | np.ndarray | None = None,
         **options: Any,
     ) -> None:
         if config is not None and options:
@@ -94,6 +113,29 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             else as_length_column(image_tokens, "image_tokens")
         )
         self.config = config if config is not None else PackingConfig(**options)
+        self.cost_model: CostModel | None = (
+            None
+            if balance is None or balance is False
+            else CostModel()
+            if balance is True
+            else CostModel.load(balance)
+            if isinstance(balance, str | Path)
+            else balance
+        )
+        if objective not in ("auto", "step", "microstep"):
+            raise ValueError(
+                f"`PackingSampler(objective={objective!r})`: expected 'auto', 'step' or 'microstep'"
+            )
+        self.objective = objective
+        self._auto_micro_steps = micro_steps is None
+        self.micro_steps = 1 if micro_steps is None else int(micro_steps)
+        if self.micro_steps < 1:
+            raise ValueError(f"`PackingSampler(micro_steps={micro_steps!r})` must be >= 1")
+        self.images = (
+            (self.image_tokens > 0).astype(np.int64)
+            if images is None
+            else as_length_column(images, "images")
+        )
         # given values are kept; defaults follow the process group, even one initialised later
         self._auto_replicas, self._auto_rank = num_replicas is None, rank is None
         self._data_parallel: tuple[int, int] | None = None
@@ -144,6 +186,22 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         self._data_parallel = (int(num_replicas), int(rank))
         self._sync_with_process_group()
 
+    @property
+    def balanced(self) -> bool:
+        """Whether the sampler balances its global batches at the source (``balance=``)."""
+        return self.cost_model is not None
+
+    def set_micro_steps(self, micro_steps: int, objective: str | None = None) -> None:
+        """The Trainer's ``accumulate_grad_batches`` (and the strategy's objective), where they
+        were left to default; the loader calls this when it knows the trainer."""
+        changed = False
+        if self._auto_micro_steps and int(micro_steps) != self.micro_steps:
+            self.micro_steps, changed = int(micro_steps), True
+        if objective is not None and self.objective == "auto":
+            self.objective, changed = objective, True
+        if changed:
+            self._plan = None
+
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose plan is yielded (Lightning calls this every epoch)."""
         self.epoch = epoch
@@ -152,13 +210,28 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         """The packing plan of ``epoch`` (default: the current one), cached for the last epoch."""
         epoch = self.epoch if epoch is None else epoch
         if self._plan is None or self._plan.epoch != epoch:
-            plan = build_epoch_plan(
-                self.total_tokens,
-                self.image_tokens,
-                self.config,
-                world_size=self.num_replicas,
-                epoch=epoch,
-            )
+            if self.cost_model is not None:
+                plan = build_balanced_epoch_plan(
+                    self.total_tokens,
+                    self.image_tokens,
+                    self.images,
+                    self.config,
+                    world_size=self.num_replicas,
+                    epoch=epoch,
+                    balance=SourceBalance(
+                        micro_steps=self.micro_steps,
+                        objective="step" if self.objective == "auto" else self.objective,
+                    ),
+                    cost_model=self.cost_model,
+                )
+            else:
+                plan = build_epoch_plan(
+                    self.total_tokens,
+                    self.image_tokens,
+                    self.config,
+                    world_size=self.num_replicas,
+                    epoch=epoch,
+                )
             if epoch != self.epoch:
                 return plan
             self._plan = plan
@@ -186,6 +259,13 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             "num_replicas": self.num_replicas,
             "length_table_sha1": self._table_hash,
             **{k: getattr(self.config, k) for k in self.config.__slots__},
+            "balance": None
+            if self.cost_model is None
+            else {
+                "micro_steps": self.micro_steps,
+                "objective": self.objective,
+                "cost_model": self.cost_model.to_dict(),
+            },
         }
 
 
@@ -347,10 +427,14 @@ class PackedDataLoader:
             self.collate_fn.image_feature_shape = _image_feature_shape(dataset, sampler)
 
     def _adopt_data_parallel(self) -> None:
-        """Under tensor parallelism, plan over the strategy's data-parallel group."""
+        """Under tensor parallelism, plan over the strategy's data-parallel group; a balanced
+        sampler forms global batches of the Trainer's micro-steps."""
         kwargs = _sampler_kwargs(self.trainer) if self.trainer is not None else None
         if kwargs is not None:
             self.sampler.set_data_parallel(kwargs["num_replicas"], kwargs["rank"])
+        if self.trainer is not None and self.sampler.balanced:
+            objective = getattr(self.trainer.strategy, "resolved_objective", None)
+            self.sampler.set_micro_steps(int(self.trainer.accumulate_grad_batches), objective)
 
     def __len__(self) -> int:
         self._adopt_data_parallel()

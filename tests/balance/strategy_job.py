@@ -45,6 +45,27 @@ class GlobalTokenData(Data):
         )
 
 
+class SourceBalancedData(Data):
+    """The same samples, with ``PackingSampler(balance=True)``: global batches balanced at the
+    source (micro-steps and objective from the Trainer through the loader)."""
+
+    def train_dataloader(self) -> Any:
+        ds = vb.SyntheticVLMDataset(self.table, vocab_size=64, patch_dim=8)
+        sampler = vb.PackingSampler(
+            self.table.total_tokens,
+            self.table.image_tokens,
+            seq_len=self.seq_len,
+            seed=3,
+            balance=True,
+        )
+        return vb.PackedDataLoader(
+            ds,
+            sampler,
+            vb.PackCollator(self.seq_len, image_feature_shape=(8,)),
+            trainer=self.trainer,
+        )
+
+
 BROADCASTS = [0]
 SYNC_SKIPS = [0]  # FSDP modules told to skip their gradient reduce-scatter
 
@@ -275,6 +296,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (fsdp strategies)")
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--dense", action="store_true", help="MLPs instead of the MoE feed-forward")
+    p.add_argument("--balance", action="store_true", help="PackingSampler(balance=True)")
     p.add_argument(
         "--no-sync-accumulation",
         action="store_true",
@@ -300,6 +322,8 @@ def main() -> None:
     data = (
         GlobalTokenData(table, seq_len, 0, micro_steps=args.data_micro_steps or args.accumulate)
         if args.global_tokens
+        else SourceBalancedData(table, seq_len, 0)
+        if args.balance
         else Data(table, seq_len, 0)
     )
     callbacks: list[Any] = []

@@ -1,0 +1,210 @@
+"""Balance at the source: ``PackingSampler(balance=...)`` forms cost-balanced global batches; with
+``strategy="vlmbalance"`` nothing moves and the parameters equal plain DDP fed the same batches."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import lightning_vlmbalance as vb
+from lightning_vlmbalance.packing.source import sample_costs
+from tests.balance.test_strategy import _fit, _job, _max_rel_diff, _result
+from tests.launch import ROOT, run_modules
+
+EPOCH = ("--samples", "300", "--epochs", "1", "--max-steps", "-1", "--accumulate", "3")
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("source_fits")
+    jobs = {
+        "vlmbalance": ("--strategy", "vlmbalance", *EPOCH, "--balance", "--checkpoint-every", "4"),
+        "ddp": ("--strategy", "ddp", *EPOCH, "--balance"),
+    }
+    run_modules([_job(root / name, *args) for name, args in jobs.items()])
+    return {"root": root, **{name: _result(root / name) for name in jobs}}
+
+
+def test_strategy_on_a_source_balanced_loader_moves_nothing_and_equals_ddp(fits) -> None:
+    run, ddp = fits["vlmbalance"], fits["ddp"]
+    assert run[0]["optimizer_steps"] == ddp[0]["optimizer_steps"] > 10
+    assert _max_rel_diff(run["params"], ddp["params"]) < 1e-10
+    assert sum(s["moved_packs"] for s in run[0]["stats"]) == 0
+    assert "balance/source_balanced" in run[0]["logged"]
+    for r in (0, 1):  # the same packs in the same places: the sampler placed them
+        assert run[r]["seen"] == ddp[r]["seen"]
+    ids = sorted(s for r in (0, 1) for _, _, sample_ids in run[r]["seen"] for s in sample_ids)
+    assert ids == list(range(300))  # every sample exactly once
+
+
+def test_resume_mid_epoch_lands_on_the_same_packs(fits, tmp_path) -> None:
+    ckpt = fits["root"] / "vlmbalance" / "ckpt" / "step=4.ckpt"
+    resumed = _fit(tmp_path, "--strategy", "vlmbalance", *EPOCH, "--balance", "--resume", str(ckpt))
+    for r in (0, 1):
+        assert resumed[r]["seen"] == fits["vlmbalance"][r]["seen"][4 * 3 :]
+
+
+def _table(n: int = 6000) -> vb.LengthTable:
+    return vb.synthetic_length_table(n, text_share=0.4, seed=0)
+
+
+def _digest(plan) -> str:
+    h = hashlib.sha1()
+    for rank in plan.rank_packs:
+        for pack in rank:
+            h.update(np.asarray(pack, dtype=np.int64).tobytes() + b"|")
+    return h.hexdigest()
+
+
+_DIGEST_SCRIPT = """
+import hashlib, numpy as np, lightning_vlmbalance as vb
+t = vb.synthetic_length_table(6000, text_share=0.4, seed=0)
+s = vb.PackingSampler(t.total_tokens, t.image_tokens, seq_len=8192, num_replicas=4, rank={rank},
+                      balance=True, micro_steps=2)
+h = hashlib.sha1()
+for rank in s.plan().rank_packs:
+    for pack in rank:
+        h.update(np.asarray(pack, dtype=np.int64).tobytes() + b"|")
+print(h.hexdigest())
+"""
+
+
+def test_every_process_computes_the_same_plan() -> None:
+    """Two processes (other ranks, other hash seeds) compute the plan from the same integers."""
+    digests = set()
+    for rank, hash_seed in ((0, "1"), (3, "2")):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run(
+            [sys.executable, "-c", _DIGEST_SCRIPT.format(rank=rank)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        digests.add(out.stdout.strip())
+    t = _table()
+    here = vb.PackingSampler(
+        t.total_tokens,
+        t.image_tokens,
+        seq_len=8192,
+        num_replicas=4,
+        rank=1,
+        balance=True,
+        micro_steps=2,
+    )
+    digests.add(_digest(here.plan()))
+    assert len(digests) == 1
+
+
+@pytest.mark.parametrize(("ranks", "micro_steps"), [(1, 1), (4, 1), (4, 3), (8, 2)])
+def test_every_sample_exactly_once_and_packs_fit(ranks, micro_steps) -> None:
+    t = _table()
+    s = vb.PackingSampler(
+        t.total_tokens,
+        t.image_tokens,
+        seq_len=8192,
+        num_replicas=ranks,
+        rank=0,
+        balance=True,
+        micro_steps=micro_steps,
+    )
+    plan = s.plan()
+    ids = np.sort(plan.sample_ids())
+    assert ids.tolist() == list(range(len(t.total_tokens)))
+    assert all(t.total_tokens[p].sum() <= 8192 for rank in plan.rank_packs for p in rank)
+    assert len({len(r) for r in plan.rank_packs}) == 1
+    assert plan.packs_per_rank % micro_steps == 0  # whole global batches
+    assert plan.efficiency > 0.98
+
+
+def test_global_batches_cost_more_evenly_than_the_unbalanced_plan() -> None:
+    """Per global batch of 8 ranks x 1 pack, the slowest pack over the mean: closer to 1."""
+    t = _table(12000)
+    costs, _ = sample_costs(vb.CostModel(), t.total_tokens, t.image_tokens, t.images)
+
+    def waste(balance) -> float:
+        s = vb.PackingSampler(
+            t.total_tokens,
+            t.image_tokens,
+            seq_len=8192,
+            num_replicas=8,
+            rank=0,
+            balance=balance,
+            seed=1,
+        )
+        plan = s.plan()
+        per_step = np.array(
+            [[costs[rank[k]].sum() for rank in plan.rank_packs] for k in range(plan.packs_per_rank)]
+        )
+        full = per_step.min(axis=1) > 0  # steps without a padding pack
+        return float(np.mean(1 - per_step[full].mean(1) / per_step[full].max(1)))
+
+    balanced, unbalanced = waste(True), waste(None)
+    assert balanced < 0.5 * unbalanced, (balanced, unbalanced)
+
+
+def test_micro_steps_and_objective_come_from_the_trainer_when_left_to_default() -> None:
+    t = _table(2000)
+    s = vb.PackingSampler(
+        t.total_tokens, t.image_tokens, seq_len=8192, num_replicas=2, rank=0, balance=True
+    )
+    assert (s.micro_steps, s.objective) == (1, "auto")
+    s.set_micro_steps(4, "microstep")
+    assert (s.micro_steps, s.objective) == (4, "microstep")
+    assert s.plan().packs_per_rank % 4 == 0
+    fixed = vb.PackingSampler(
+        t.total_tokens,
+        t.image_tokens,
+        seq_len=8192,
+        num_replicas=2,
+        rank=0,
+        balance=True,
+        micro_steps=2,
+        objective="step",
+    )
+    fixed.set_micro_steps(4, "microstep")
+    assert (fixed.micro_steps, fixed.objective) == (2, "step")
+    assert fixed.fingerprint()["balance"]["micro_steps"] == 2
+    assert vb.PackingSampler(t.total_tokens, seq_len=8192, num_replicas=1).balanced is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"objective": "fast"}, "objective='fast'"),
+        ({"micro_steps": 0}, "micro_steps=0"),
+        ({"remainder": "drop"}, "remainder='drop'"),
+    ],
+)
+def test_bad_settings_are_named(kwargs, match) -> None:
+    t = _table(500)
+    with pytest.raises(ValueError, match=match):
+        vb.PackingSampler(
+            t.total_tokens,
+            t.image_tokens,
+            seq_len=8192,
+            num_replicas=2,
+            rank=0,
+            balance=True,
+            **kwargs,
+        )
+
+
+def test_cost_model_from_a_json_file(tmp_path) -> None:
+    model = vb.CostModel()
+    model.save(tmp_path / "cost.json")
+    t = _table(500)
+    s = vb.PackingSampler(
+        t.total_tokens,
+        t.image_tokens,
+        seq_len=8192,
+        num_replicas=2,
+        rank=0,
+        balance=str(tmp_path / "cost.json"),
+    )
+    assert s.balanced and s.cost_model.to_dict() == model.to_dict()
