@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from lightning_vlmbalance.balance.cost import CostModel
-from lightning_vlmbalance.sim.simulate import STRATEGIES, SYNC_EVERY, ExchangeModel, simulate
+from lightning_vlmbalance.sim.simulate import (
+    ALL_STRATEGIES,
+    STRATEGIES,
+    SYNC_EVERY,
+    ExchangeModel,
+    simulate,
+)
 from lightning_vlmbalance.synthetic import read_length_csv, resample_text_share
 
 # how often the ranks of each Trainer strategy meet: "vlmbalance" syncs once per optimizer step;
@@ -93,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seq-len", type=int, default=8192)
     run.add_argument("--dp", type=comma_list(int, minimum=1), default=[8, 64, 512])
     run.add_argument("--ga", type=comma_list(int, minimum=1), default=[1, 8])
-    run.add_argument("--strategies", type=comma_list(choices=STRATEGIES), default=list(STRATEGIES))
+    run.add_argument(
+        "--strategies",
+        type=comma_list(choices=ALL_STRATEGIES),
+        default=list(STRATEGIES),
+        help="any of off, sync, overlap, budget, source (default: all but source)",
+    )
     run.add_argument("--cost-model", type=Path, default=None, metavar="FILE")
     run.add_argument("--batches", type=int, default=32, help="global batches per configuration")
     run.add_argument(
@@ -200,7 +211,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ) from err
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     keys = sorted({(r["strategy"], r["ga"]) for r in rows}, key=lambda k: (k[1], k[0]))
-    colors = {s: f"C{i}" for i, s in enumerate(STRATEGIES)}
+    colors = {s: f"C{i}" for i, s in enumerate(ALL_STRATEGIES)}
     styles = {
         ga: ("-", "--", ":", "-.")[i % 4] for i, ga in enumerate(sorted({k[1] for k in keys}))
     }

@@ -48,6 +48,8 @@ __all__ = [
 ]
 
 STRATEGIES: tuple[str, ...] = ("off", "sync", "overlap", "budget")
+# also accepted: "source" (PackingSampler(balance=...): global batches balanced at the source)
+ALL_STRATEGIES: tuple[str, ...] = (*STRATEGIES, "source")
 SYNC_EVERY: tuple[str, ...] = ("step", "microstep")
 
 
@@ -203,6 +205,63 @@ class _Pool:
         return out
 
 
+class _SourcePool:
+    """The packs of a source-balanced sampler (:mod:`lightning_vlmbalance.packing.source`) for
+    one ``(dp, ga)``, and its first ``batches`` global batches as formed and placed. The mix is
+    repeated (the same samples again) where it holds fewer than ``batches`` global batches."""
+
+    def __init__(
+        self,
+        table: LengthTable,
+        seq_len: int,
+        cost_model: CostModel,
+        exchange: ExchangeModel,
+        R: int,
+        G: int,
+        seed: int,
+        objective: str,
+        batches: int,
+    ) -> None:
+        from lightning_vlmbalance.packing.source import SourceBalance, build_balanced_epoch_plan
+
+        total = np.asarray(table.total_tokens, dtype=np.int64)
+        image = np.asarray(table.image_tokens, dtype=np.int64)
+        images = np.asarray(table.images, dtype=np.int64)
+        fits = total <= seq_len
+        need = (batches + 1) * R * G * seq_len
+        reps = max(1, -(-need // max(int(total[fits].sum()), 1)))
+        total, image, images = (np.tile(x[fits], reps) for x in (total, image, images))
+        plan = build_balanced_epoch_plan(
+            total,
+            image,
+            images,
+            PackingConfig(seq_len=seq_len, seed=seed, overlong="skip"),
+            world_size=R,
+            epoch=0,
+            balance=SourceBalance(
+                micro_steps=G, objective="step" if objective == "step" else "microstep"
+            ),
+            cost_model=cost_model,
+        )
+        n_batches = min(batches, plan.packs_per_rank // G)
+        flat, self.draws = [], []
+        for k in range(n_batches):
+            idx = []
+            for r in range(R):
+                for m in range(G):
+                    idx.append(len(flat))
+                    flat.append(plan.rank_packs[r][k * G + m])
+            self.draws.append(np.asarray(idx, dtype=np.int64))
+        feats = features_from_packs(Packs.from_lists(flat), total, image, images)
+        self.cost_ms = cost_model.pack_cost_ms(feats)
+        self.cost_ms[feats["total_tokens"] == 0] = 0.0
+        self.tokens = feats["total_tokens"]
+        self.bytes = (feats["total_tokens"] - feats["image_tokens"]) * exchange.text_token_bytes
+        self.bytes += feats["image_tokens"] * exchange.image_token_bytes
+        real = self.tokens > 0
+        self.efficiency = float(self.tokens[real].sum() / (real.sum() * seq_len))
+
+
 def simulate(
     table: LengthTable,
     *,
@@ -256,9 +315,11 @@ def simulate(
     Raises:
         ValueError: for an unknown strategy or sync mode, or a mix too small to replay.
     """
-    bad = [s for s in strategies if s not in STRATEGIES]
+    bad = [s for s in strategies if s not in ALL_STRATEGIES]
     if bad or not strategies:
-        raise ValueError(f"simulate(strategies={list(strategies)}): expected some of {STRATEGIES}")
+        raise ValueError(
+            f"simulate(strategies={list(strategies)}): expected some of {ALL_STRATEGIES}"
+        )
     if sync_every not in SYNC_EVERY:
         raise ValueError(f"simulate(sync_every={sync_every!r}): expected one of {SYNC_EVERY}")
     if batches < 1 or min(dp) < 1 or min(ga) < 1:
@@ -286,8 +347,14 @@ def simulate(
         for G in ga:
             group = []
             for strategy in strategies:
-                p = pool("budget" if strategy == "budget" else "greedy", R)
-                draws = _draws(p, R, G, batches, seed, replay, replay_skip)
+                if strategy == "source":
+                    p = _SourcePool(
+                        table, seq_len, cost_model, exchange, R, G, seed, plan.objective, batches
+                    )
+                    draws = p.draws
+                else:
+                    p = pool("budget" if strategy == "budget" else "greedy", R)
+                    draws = _draws(p, R, G, batches, seed, replay, replay_skip)
                 group.append(
                     _run(
                         strategy,

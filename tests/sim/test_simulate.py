@@ -115,6 +115,18 @@ def test_cli_training_strategy_sets_the_synchronisation(tmp_path, capsys) -> Non
     assert "synchronises every microstep" in capsys.readouterr().err
 
 
+def test_source_balancing_removes_most_of_the_waste_at_one_pack_per_rank() -> None:
+    """At ga 1 no pack can move (overlap = off); balancing at the source forms even packs."""
+    rows = simulate(
+        _mix(8000), seq_len=8192, dp=[8], ga=[1], batches=6, strategies=["off", "overlap", "source"]
+    )
+    by = {r["strategy"]: r for r in rows}
+    assert by["overlap"]["waste_frac"] == pytest.approx(by["off"]["waste_frac"])
+    assert by["source"]["waste_frac"] < 0.5 * by["off"]["waste_frac"]
+    assert by["source"]["moved_packs"] == 0 and by["source"]["packing_efficiency"] > 0.97
+    assert by["source"]["gain"] > 0
+
+
 def test_cli_calibrate_recovers_known_coefficients(tmp_path, capsys) -> None:
     """Timings generated from a known model (2% noise), written as StragglerMonitor JSON lines,
     come back as that model."""
