@@ -121,6 +121,9 @@ class EpochPlan:
     dropped_sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     skipped_sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     truncated_sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # balanced at the source: global batches re-formed, and (exact=True) kept as they were
+    balanced_batches: int = 0
+    fallback_batches: int = 0
 
     @property
     def packs_per_rank(self) -> int:

@@ -76,6 +76,9 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             ``accumulate_grad_batches`` when the loader knows the trainer, else 1).
         images: images of each sample (default: one per sample with image tokens); a cost
             feature.
+        exact: with ``balance``, keep every global batch's samples of the unbalanced plan (the
+            parameters equal the unbalanced run's) and only re-form its packs where they fit;
+            the plan counts ``balanced_batches`` and ``fallback_batches``.
 
     Raises:
         ValueError: for a bad length table or setting, naming the sample or the setting.
@@ -99,6 +102,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         objective: str = "auto",
         micro_steps: int | None = None,
         images: Sequence[int] | np.ndarray | None = None,
+        exact: bool = False,
         **options: Any,
     ) -> None:
         if config is not None and options:
@@ -127,6 +131,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
                 f"`PackingSampler(objective={objective!r})`: expected 'auto', 'step' or 'microstep'"
             )
         self.objective = objective
+        self.exact = bool(exact)
         self._auto_micro_steps = micro_steps is None
         self.micro_steps = 1 if micro_steps is None else int(micro_steps)
         if self.micro_steps < 1:
@@ -221,6 +226,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
                     balance=SourceBalance(
                         micro_steps=self.micro_steps,
                         objective="step" if self.objective == "auto" else self.objective,
+                        exact=self.exact,
                     ),
                     cost_model=self.cost_model,
                 )
@@ -264,6 +270,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             else {
                 "micro_steps": self.micro_steps,
                 "objective": self.objective,
+                "exact": self.exact,
                 "cost_model": self.cost_model.to_dict(),
             },
         }

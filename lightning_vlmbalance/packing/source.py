@@ -41,6 +41,7 @@ from lightning_vlmbalance.packing.plan import (
     PackingConfig,
     apply_overlong_policy,
     as_length_column,
+    build_epoch_plan,
     check_length_table,
 )
 
@@ -63,6 +64,12 @@ class SourceBalance:
         small_tokens: text samples up to this many tokens fill gaps (phase 3) instead of being
             balanced (phase 2).
         lookahead: samples further in the stream that may fill a gap of this global batch.
+        fill_with_images: let samples with images from the lookahead fill gaps too (fuller
+            packs, less even costs).
+        exact: keep every global batch's samples of the unbalanced plan (the parameters then
+            equal the unbalanced run's) and only re-form its packs; where the samples do not
+            fit into as many packs, the batch keeps its packs and the planner only places them
+            (counted in the plan's ``fallback_batches``).
     """
 
     micro_steps: int = 1
@@ -71,6 +78,7 @@ class SourceBalance:
     small_tokens: int = 2048
     lookahead: int = 4096
     fill_with_images: bool = False
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_steps < 1:
@@ -369,16 +377,22 @@ def build_balanced_epoch_plan(
         raise ValueError("no sample is left to pack (every sample was skipped)")
     cost, fixed = sample_costs(cost_model, lengths, image_tokens, images)
     R, G = world_size, balance.micro_steps
-    batches = form_balanced_batches(
-        order,
-        lengths,
-        image_tokens,
-        cost,
-        packs_per_batch=R * G,
-        seq_len=config.seq_len,
-        pack_fixed_image_cost=fixed,
-        settings=balance,
-    )
+    fallback = 0
+    if balance.exact:
+        batches, fallback = _exact_batches(
+            total_tokens, image_tokens, lengths, cost, fixed, config, R, G, epoch, balance
+        )
+    else:
+        batches = form_balanced_batches(
+            order,
+            lengths,
+            image_tokens,
+            cost,
+            packs_per_batch=R * G,
+            seq_len=config.seq_len,
+            pack_fixed_image_cost=fixed,
+            settings=balance,
+        )
     rank_packs: list[list[np.ndarray]] = [[] for _ in range(R)]
     rank_ids: list[list[int]] = [[] for _ in range(R)]
     tokens: list[int] = []
@@ -417,4 +431,39 @@ def build_balanced_epoch_plan(
         padding_packs=padding,
         skipped_sample_ids=skipped,
         truncated_sample_ids=truncated,
+        balanced_batches=len(batches) - fallback,
+        fallback_batches=fallback,
     )
+
+
+def _exact_batches(
+    total_tokens: np.ndarray,
+    image_tokens: np.ndarray,
+    lengths: np.ndarray,
+    cost: np.ndarray,
+    fixed: float,
+    config: PackingConfig,
+    R: int,
+    G: int,
+    epoch: int,
+    balance: SourceBalance,
+) -> tuple[list[list[list[int]]], int]:
+    """The unbalanced plan's global batches, each re-formed into as many balanced packs from its
+    own samples where they fit; otherwise kept as they are. Returns the batches and how many
+    were kept."""
+    plain = build_epoch_plan(total_tokens, image_tokens, config, world_size=R, epoch=epoch)
+    n = plain.packs_per_rank
+    batches, fallback = [], 0
+    for k in range(0, n, G):
+        packs = [plain.rank_packs[r][j].tolist() for r in range(R) for j in range(k, min(k + G, n))]
+        packs = [p for p in packs if p]
+        samples = [s for p in packs for s in p]
+        re_formed, left = _balance(
+            samples, lengths, image_tokens, cost, len(packs), config.seq_len, fixed, balance
+        )
+        if left:
+            fallback += 1
+            batches.append(packs)
+        else:
+            batches.append([p for p in re_formed if p])
+    return batches, fallback

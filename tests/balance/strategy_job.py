@@ -49,6 +49,8 @@ class SourceBalancedData(Data):
     """The same samples, with ``PackingSampler(balance=True)``: global batches balanced at the
     source (micro-steps and objective from the Trainer through the loader)."""
 
+    exact = False
+
     def train_dataloader(self) -> Any:
         ds = vb.SyntheticVLMDataset(self.table, vocab_size=64, patch_dim=8)
         sampler = vb.PackingSampler(
@@ -56,7 +58,9 @@ class SourceBalancedData(Data):
             self.table.image_tokens,
             seq_len=self.seq_len,
             seed=3,
+            window=64,  # Data's: exact=True keeps its unbalanced plan's global batches
             balance=True,
+            exact=self.exact,
         )
         return vb.PackedDataLoader(
             ds,
@@ -297,6 +301,7 @@ def main() -> None:
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--dense", action="store_true", help="MLPs instead of the MoE feed-forward")
     p.add_argument("--balance", action="store_true", help="PackingSampler(balance=True)")
+    p.add_argument("--balance-exact", action="store_true", help="... and exact=True")
     p.add_argument(
         "--no-sync-accumulation",
         action="store_true",
@@ -323,9 +328,11 @@ def main() -> None:
         GlobalTokenData(table, seq_len, 0, micro_steps=args.data_micro_steps or args.accumulate)
         if args.global_tokens
         else SourceBalancedData(table, seq_len, 0)
-        if args.balance
+        if args.balance or args.balance_exact
         else Data(table, seq_len, 0)
     )
+    if args.balance_exact:
+        data.exact = True
     callbacks: list[Any] = []
     if args.checkpoint_every:
         callbacks.append(

@@ -25,6 +25,8 @@ def fits(tmp_path_factory) -> dict:
     jobs = {
         "vlmbalance": ("--strategy", "vlmbalance", *EPOCH, "--balance", "--checkpoint-every", "4"),
         "ddp": ("--strategy", "ddp", *EPOCH, "--balance"),
+        "exact": ("--strategy", "vlmbalance", *EPOCH, "--balance-exact"),
+        "unbalanced_ddp": ("--strategy", "ddp", *EPOCH),
     }
     run_modules([_job(root / name, *args) for name, args in jobs.items()])
     return {"root": root, **{name: _result(root / name) for name in jobs}}
@@ -40,6 +42,35 @@ def test_strategy_on_a_source_balanced_loader_moves_nothing_and_equals_ddp(fits)
         assert run[r]["seen"] == ddp[r]["seen"]
     ids = sorted(s for r in (0, 1) for _, _, sample_ids in run[r]["seen"] for s in sample_ids)
     assert ids == list(range(300))  # every sample exactly once
+
+
+def test_exact_keeps_the_unbalanced_global_batches(fits) -> None:
+    """exact=True: every optimizer step trains the samples of the unbalanced plan's step, so the
+    parameters equal plain DDP on the unbalanced plan."""
+    run, ddp = fits["exact"], fits["unbalanced_ddp"]
+    assert _max_rel_diff(run["params"], ddp["params"]) < 1e-10
+
+    def steps(res: dict) -> list[list[int]]:
+        per_step: dict[int, list[int]] = {}
+        for r in (0, 1):
+            for k, (_, _, ids) in enumerate(res[r]["seen"]):
+                per_step.setdefault(k // 3, []).extend(ids)
+        return [sorted(v) for _, v in sorted(per_step.items())]
+
+    assert steps(run) == steps(ddp)
+
+
+def test_exact_global_batches_hold_the_unbalanced_samples() -> None:
+    t = _table()
+    kw = {"seq_len": 8192, "num_replicas": 4, "rank": 0, "micro_steps": 2}
+    plain = vb.PackingSampler(t.total_tokens, t.image_tokens, **{**kw, "micro_steps": None}).plan()
+    exact = vb.PackingSampler(t.total_tokens, t.image_tokens, balance=True, exact=True, **kw)
+    plan = exact.plan()
+    assert plan.balanced_batches + plan.fallback_batches == -(-plain.packs_per_rank // 2)
+    for k in range(0, plain.packs_per_rank, 2):
+        want = sorted(s for r in plain.rank_packs for p in r[k : k + 2] for s in p)
+        got = sorted(s for r in plan.rank_packs for p in r[k : k + 2] for s in p)
+        assert got == want
 
 
 def test_resume_mid_epoch_lands_on_the_same_packs(fits, tmp_path) -> None:
