@@ -64,7 +64,7 @@ from packing import BenchmarkError, load
 from lightning_vlmbalance.sim.cli import comma_list
 from tests.multiproc import run_ranks
 
-MODES = ("off", "sync", "overlap")
+MODES = ("off", "sync", "overlap", "source")
 COMPUTE_PHASES = ("vision_fwd", "llm_fwd", "backward")
 EXCHANGE_TIMEOUT_S = 120.0
 GRACE_S = 15.0  # after a rank failed: how much longer than EXCHANGE_TIMEOUT_S the others get
@@ -85,7 +85,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=comma_list(choices=MODES),
         default=["overlap"],
         metavar="M[,M...]",
-        help="comma list of off, sync, overlap (off always runs first)",
+        help="comma list of off, sync, overlap, source (off always runs first; source: the"
+        " source-balanced sampler's plan, no exchange)",
     )
     p.add_argument(
         "--read-ahead",
@@ -212,9 +213,14 @@ class EmulatedPacks:
 # -- one rank ---------------------------------------------------------------------------------
 
 
-def _rank_packs(rank: int, world: int, args: argparse.Namespace) -> EmulatedPacks:
-    """This rank's first ``(--warmup + --steps) * --ga`` packs of the real epoch plan."""
+def _rank_packs(
+    rank: int, world: int, args: argparse.Namespace, mode: str = "off"
+) -> EmulatedPacks:
+    """This rank's first ``(--warmup + --steps) * --ga`` packs of the real epoch plan (mode
+    ``source``: of the source-balanced plan, ``PackingSampler(balance=True)``'s)."""
+    from lightning_vlmbalance.balance import CostModel
     from lightning_vlmbalance.packing import PackingConfig, build_epoch_plan
+    from lightning_vlmbalance.packing.source import SourceBalance, build_balanced_epoch_plan
 
     table, _ = load(args)
     total = np.asarray(table.total_tokens, dtype=np.int64)
@@ -222,9 +228,21 @@ def _rank_packs(rank: int, world: int, args: argparse.Namespace) -> EmulatedPack
     total = total[keep]
     image = np.asarray(table.image_tokens, dtype=np.int64)[keep]
     images = np.asarray(table.images, dtype=np.int64)[keep]
-    plan = build_epoch_plan(
-        total, image, PackingConfig(seq_len=args.seq_len, seed=args.seed), world_size=world, epoch=0
-    )
+    config = PackingConfig(seq_len=args.seq_len, seed=args.seed)
+    if mode == "source":
+        balance = SourceBalance(micro_steps=args.ga, objective=args.sync_every)
+        plan = build_balanced_epoch_plan(
+            total,
+            image,
+            images,
+            config,
+            world_size=world,
+            epoch=0,
+            balance=balance,
+            cost_model=CostModel(),
+        )
+    else:
+        plan = build_epoch_plan(total, image, config, world_size=world, epoch=0)
     need = (args.steps + args.warmup) * args.ga
     if plan.packs_per_rank < need:
         raise BenchmarkError(
@@ -333,13 +351,13 @@ def _rank_main(rank: int, world: int, mode: str, args: argparse.Namespace) -> di
 
     model = CostModel()
     loader = RebalancingLoader(
-        ReadAhead(_rank_packs(rank, world, args), depth=args.read_ahead * args.ga),
+        ReadAhead(_rank_packs(rank, world, args, mode), depth=args.read_ahead * args.ga),
         micro_steps=args.ga,
         world_size=world,
         rank=rank,
         group=dist.new_group(backend="gloo"),
         objective=args.sync_every,
-        mode=mode,
+        mode="off" if mode == "source" else mode,  # balanced by the sampler: nothing moves
         cost_model=model,
         exchange_timeout_s=EXCHANGE_TIMEOUT_S,
     )
