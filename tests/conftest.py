@@ -7,6 +7,13 @@ import torch
 import torch._dynamo
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "jobs(name, ...): the subprocess jobs of its module that a test checks (tests/jobs.py)",
+    )
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread (tiny ops only fight over 2 cores) and a fresh dynamo cache."""

@@ -9,6 +9,15 @@ message")}``. A process that dies without reporting (killed, ``os._exit``, or st
 The tests and the multi-process benchmarks (``benchmarks/soak_exchange.py``,
 ``benchmarks/rebalance_e2e.py``) share this one harness; the keyword options are what the
 benchmarks need beyond the tests' defaults.
+
+Ranks are spawned (fresh interpreters) by default. The tests of the loader, the exchange and the
+sampler fork them instead (``start_method="forkserver"``) from multiprocessing's fork server,
+which imports torch and the package once per test session, rather than paying that import in
+every rank of every test: each rank is still a process of its own with its own gloo process
+group. Forked ranks share the server's string-hash seed; that every rank computes the same plan
+in interpreters started independently is what ``tests/packing/test_plan.py`` and
+``tests/balance/test_planner.py`` check (spawned), and every Lightning job of the tests starts
+each rank as an interpreter of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from datetime import timedelta
 from typing import Any
 
 _JOIN_AFTER_FAILURE_S = 5.0  # how long a rank that outlived the grace period gets to exit
+# what the fork server imports once, before it forks ranks (``start_method="forkserver"``)
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "lightning_vlmbalance", "tests.multiproc"]
 
 
 def _entry(target, rank, world, port, pg_timeout_s, queue, args) -> None:
@@ -46,6 +57,14 @@ def _entry(target, rank, world, port, pg_timeout_s, queue, args) -> None:
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def context(start_method: str = "spawn") -> Any:
+    """The multiprocessing context of ``start_method``; for ``"forkserver"``, with the server
+    importing :data:`FORKSERVER_PRELOAD` when it starts (once per process that uses it)."""
+    if start_method == "forkserver":
+        mp.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts
+    return mp.get_context(start_method)
 
 
 def _free_port() -> int:
@@ -78,6 +97,7 @@ def run_ranks(
     pg_timeout_s: float | None = None,
     grace_s: float | None = None,
     daemon: bool = False,
+    start_method: str = "spawn",
 ) -> dict[int, tuple[str, Any]]:
     """Runs ``target(rank, world, *args)`` on ``world`` spawned ranks; see the module docstring.
 
@@ -93,9 +113,17 @@ def run_ranks(
             long the others get to report before they are killed; ``None``: until ``timeout``.
         daemon: start the ranks as daemon processes (killed if this process exits; a daemon
             rank cannot start processes of its own).
+        start_method: ``"spawn"``: each rank a fresh interpreter. ``"forkserver"``: each rank a
+            process of its own forked from multiprocessing's fork server, which imported torch
+            and the package once (:data:`FORKSERVER_PRELOAD`) when this process first used it:
+            the same code in the same kind of process, started without importing everything
+            again (about 4 s of CPU per rank). Not with ``env``: a forked rank has the server's
+            environment.
     """
+    if env and start_method != "spawn":
+        raise ValueError("`run_ranks(env=...)` needs start_method='spawn'")
     port = _free_port()
-    ctx = mp.get_context("spawn")
+    ctx = context(start_method)
     queue = ctx.Queue()
     procs = [
         ctx.Process(

@@ -61,7 +61,7 @@ def _loader_job(rank: int, world: int, mode: str, micro_steps: int) -> dict:
 def test_every_pack_once_with_the_global_token_count(mode, G) -> None:
     """G = 7 leaves a short last global batch (the pack count is not a multiple of it). Mode
     "off" is covered in real fits (tests/balance/test_loss.py)."""
-    out = run_ranks(_loader_job, 2, mode, G, timeout=180)
+    out = run_ranks(_loader_job, 2, mode, G, timeout=180, start_method="forkserver")
     assert all(status == "ok" for status, _ in out.values()), out
     res = {r: payload for r, (_, payload) in out.items()}
     n = res[0]["len"]
@@ -142,7 +142,7 @@ def _early_close_job(rank: int, world: int) -> dict:
 def test_closing_early_joins_the_thread_without_a_stray_collective() -> None:
     """Both ranks stop after the same micro-batch: no rank waits in a collective its peer
     skipped, the thread is joined at once, and the next pass is complete."""
-    out = run_ranks(_early_close_job, 2, timeout=180)
+    out = run_ranks(_early_close_job, 2, timeout=180, start_method="forkserver")
     assert all(status == "ok" for status, _ in out.values()), out
     for _, res in out.values():
         assert res["alive"] == []
@@ -174,7 +174,7 @@ def _failing_job(rank: int, world: int) -> str:
 
 
 def test_a_rank_failing_in_its_exchange_is_an_error_on_the_others() -> None:
-    out = run_ranks(_failing_job, 2, timeout=120)
+    out = run_ranks(_failing_job, 2, timeout=120, start_method="forkserver")
     assert out[1] == ("error", "RuntimeError: rank 1 failed on purpose in its exchange"), out
     status, message = out[0]
     assert status == "ok" and message.split("s ", 1)[1].startswith("ExchangeError"), out
@@ -187,12 +187,15 @@ def _abandoned_pass_job(rank: int, world: int) -> dict:
 
     import lightning_vlmbalance.balance.loader as loader_mod
 
-    # the exchange takes a while, so the old pass's thread is inside it when the new pass begins;
-    # every global batch records how many exchange threads were alive when it started
-    exchange, started_with = loader_mod.exchange_packs, []
+    # the old pass's exchanges take a while, so its thread is inside one when the new pass
+    # begins (the new pass's own exchanges need not be slow: its first global batch is where an
+    # old thread still running shows); every global batch records how many exchange threads
+    # were alive when it started
+    exchange, started_with, old_threads = loader_mod.exchange_packs, [], []
 
     def slow_exchange(*args, **kwargs):
-        time.sleep(0.5)
+        if not old_threads or threading.current_thread() in old_threads:
+            time.sleep(0.5)
         return exchange(*args, **kwargs)
 
     def counted(self, batches):
@@ -207,6 +210,8 @@ def _abandoned_pass_job(rank: int, world: int) -> dict:
     for _ in range(3):  # mid global batch; the thread is preparing the next one
         next(abandoned)
     time.sleep(0.1)  # the old thread is now in its exchange of the next global batch
+    old_threads.extend(t for t in threading.enumerate() if t.name == "vlmbalance-exchange")
+    assert len(old_threads) == 1, old_threads  # the abandoned pass's, still slow
     started_with.clear()
     ids = [s for batch in loader for s in batch["meta"]["sample_ids"]]  # the new pass
     del abandoned
@@ -216,7 +221,7 @@ def _abandoned_pass_job(rank: int, world: int) -> dict:
 def test_a_new_pass_stops_an_abandoned_one_before_it_starts() -> None:
     """The new pass's first collective must not run while the old pass's thread still runs its
     own on the same group: the old one is closed (joined) first, and the new pass is complete."""
-    out = run_ranks(_abandoned_pass_job, 2, timeout=180)
+    out = run_ranks(_abandoned_pass_job, 2, timeout=180, start_method="forkserver")
     assert all(status == "ok" for status, _ in out.values()), out
     for r in (0, 1):  # the new pass's first global batch is prepared in the caller's thread
         assert max(out[r][1]["started_with"]) == 1, out[r][1]["started_with"]

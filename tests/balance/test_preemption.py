@@ -14,11 +14,14 @@ signal lands (mid-micro-batch, mid-exchange, between optimizer steps), every ran
 
 Each case launches ``tests.balance.preempt_job`` (about 10 s to start on 2 CPU cores) and sends
 the signal after a seeded random delay of 0-2 s once both ranks train.
-``VLMBALANCE_PREEMPT_TRIALS=N`` runs N trials per case (delays stratified over 0-2 s).
+``VLMBALANCE_PREEMPT_TRIALS=N`` runs N trials per case (delays stratified over 0-2 s). The
+trials of all cases run two at a time (one's start-up overlaps the other's; the 10 s bound is
+far above the ~1 s a stop takes, and stop times were measured under far more load than that).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import zlib
@@ -33,6 +36,7 @@ from tests.balance.preempt_job import (
     exchange_thread_left,
     run_trial,
 )
+from tests.jobs import result_of, run_calls, selected
 
 STOP_BOUND_S = 10.0
 CAP_S = STOP_BOUND_S + 2.0  # then the trial's stacks are dumped and its processes killed
@@ -79,20 +83,38 @@ CASES = (
 )
 
 
-@pytest.mark.parametrize(("mode", "target"), CASES)
-def test_sigterm_stops_every_rank(tmp_path, mode: str, target: str) -> None:
+def _seed(mode: str, target: str) -> int:
+    return zlib.crc32(f"{mode}-{target}".encode())
+
+
+@pytest.fixture(scope="module")
+def trials(request, tmp_path_factory) -> dict:
+    """Every trial of every selected case (``@pytest.mark.jobs``), two at a time: ``{(mode,
+    target, i): run_trial's result, or the exception it raised}``."""
+    root = tmp_path_factory.mktemp("preemption")
+    calls = {}
+    for mode, target in selected(request, {f"{m}-{t}": (m, t) for m, t in CASES}).values():
+        for i, delay_s in enumerate(signal_delays(_seed(mode, target), TRIALS)):
+            calls[mode, target, i] = functools.partial(
+                run_trial,
+                root / f"{mode}-{target}" / f"trial{i}",
+                strategy="vlmbalance",
+                mode=mode,
+                target=target,
+                delay_s=delay_s,
+                cap_s=CAP_S,
+            )
+    return run_calls(calls)
+
+
+@pytest.mark.parametrize(
+    ("mode", "target"), [pytest.param(m, t, marks=pytest.mark.jobs(f"{m}-{t}")) for m, t in CASES]
+)
+def test_sigterm_stops_every_rank(trials, mode: str, target: str) -> None:
     """SIGTERM (to both ranks, or to rank 0 only) ends every rank via SIGTERMException in 10 s."""
-    seed = zlib.crc32(f"{mode}-{target}".encode())
     failures = []
-    for i, delay_s in enumerate(signal_delays(seed, TRIALS)):
-        res = run_trial(
-            tmp_path / f"trial{i}",
-            strategy="vlmbalance",
-            mode=mode,
-            target=target,
-            delay_s=delay_s,
-            cap_s=CAP_S,
-        )
+    for i in range(len(signal_delays(_seed(mode, target), TRIALS))):
+        res = result_of(trials, (mode, target, i))
         if problems := _problems(res):
             failures.append(f"trial {i}:\n" + "\n".join(problems))
     assert not failures, "\n".join(failures)

@@ -11,7 +11,8 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_vlmbalance as vb
-from tests.launch import run_module, run_module_raw, run_modules
+from tests.jobs import check, result, run_jobs, selected
+from tests.launch import run_module
 
 
 def _job(out: Path, *args: str) -> tuple[str, ...]:
@@ -42,24 +43,88 @@ def _max_rel_diff(a: dict, b: dict) -> float:
 EPOCH = ("--epochs", "1", "--max-steps", "-1")  # 84 packs per rank: 21 steps of 4
 
 
+PRECISIONS = ["bf16-mixed"]  # test_bf16_trains_with_the_strategy_and_every_callback
+OVERFIT = [("vlmbalance", "0.1", 8)]  # test_overfit_batches_trains_the_same_packs_every_epoch
+
+
+def _fail(mode: str) -> tuple[str, ...]:
+    """Rank 1 raises inside its 3rd exchange."""
+    args = ("--mode", mode, "--fail-rank", "1", "--fail-at", "3", "--exchange-timeout-s", "10")
+    return ("--strategy", "vlmbalance", *args)
+
+
+FITS = ("ddp", "sync", "overlap")  # the jobs of the `fits` fixture
+
+
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory) -> dict:
-    """One epoch each of plain DDP (same loss normalisation) and vlmbalance sync / overlap."""
+def jobs(request, tmp_path_factory) -> dict:
+    """The 2-process jobs of this module's selected tests (``@pytest.mark.jobs``), two at a time
+    (their start-up overlaps), each in ``root / name``; a test checks its own job's exit. The
+    resumed fits start from the step-8 checkpoints of the uninterrupted ones (``after``)."""
     root = tmp_path_factory.mktemp("fits")
     every8 = ("--checkpoint-every", "8")
-    jobs = {
+    args = {  # the longest first
         "ddp": ("--strategy", "ddp", *EPOCH, *every8),
-        "sync": ("--strategy", "vlmbalance", "--mode", "sync", *EPOCH),
         "overlap": ("--strategy", "vlmbalance", "--mode", "overlap", *EPOCH, *every8),
+        "sync": ("--strategy", "vlmbalance", "--mode", "sync", *EPOCH),
+        **{
+            f"precision_{precision}": (
+                *("--strategy", "vlmbalance", "--precision", precision, "--all-callbacks"),
+                *("--max-steps", "4", "--accumulate", "2"),
+            )
+            for precision in PRECISIONS
+        },
+        # resumed after step 8 of the uninterrupted fits (the strategy's default mode: overlap)
+        "overlap_resumed": (
+            *("--strategy", "vlmbalance", *EPOCH),
+            *("--resume", str(root / "overlap" / "ckpt" / "step=8.ckpt")),
+        ),
+        "ddp_resumed": (
+            *("--strategy", "ddp", *EPOCH),
+            *("--resume", str(root / "ddp" / "ckpt" / "step=8.ckpt")),
+        ),
+        **{
+            f"overfit_{strategy}_{overfit}": (
+                *("--strategy", strategy, "--overfit-batches", overfit),
+                *("--epochs", "3", "--max-steps", "-1", "--accumulate", "2"),
+            )
+            for strategy, overfit, _ in OVERFIT
+        },
+        "fail_sync": _fail("sync"),
+        "fail_overlap": _fail("overlap"),
+        # a user-wrapped RebalancingLoader(micro_steps=3) under accumulate_grad_batches=4
+        "mismatch": ("--strategy", "vlmbalance", "--global-tokens", "--data-micro-steps", "3"),
+        "world_size_one": ("--strategy", "vlmbalance", "--devices", "1", "--max-steps", "5"),
     }
-    run_modules([_job(root / name, *args) for name, args in jobs.items()])
-    return {"root": root, **{name: _result(root / name) for name in jobs}}
+    after = {"overlap_resumed": ["overlap"], "ddp_resumed": ["ddp"]}
+    procs = run_jobs(
+        {name: _job(root / name, *a) for name, a in selected(request, args, after).items()},
+        after=after,
+        # a hang of a failing job runs into its timeout (an error of the test)
+        timeouts={"fail_sync": 240, "fail_overlap": 240, "mismatch": 300},
+    )
+    return {"root": root, "procs": procs}
+
+
+def _fit_of(jobs: dict, name: str) -> dict:
+    check(result(jobs["procs"], name))
+    return _result(jobs["root"] / name)
+
+
+@pytest.fixture(scope="module")
+def fits(jobs) -> dict:
+    """One epoch each of plain DDP (same loss normalisation) and vlmbalance sync / overlap."""
+    return {
+        "root": jobs["root"],
+        **{name: _fit_of(jobs, name) for name in FITS},
+    }
 
 
 def _packs(res: dict) -> list[int]:
     return sorted(p for r in (0, 1) for _, p, _ in res[r]["seen"])
 
 
+@pytest.mark.jobs(*FITS)
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_same_parameters_as_ddp(fits, mode) -> None:
     """Float64, GA 4, 21 optimizer steps: rebalancing changes where packs run, not the math."""
@@ -82,10 +147,12 @@ def test_same_parameters_as_ddp(fits, mode) -> None:
     }
 
 
+@pytest.mark.jobs(*FITS)
 def test_plain_ddp_broadcasts_every_micro_batch(fits) -> None:
     assert fits["ddp"][0]["broadcasts"] == 84
 
 
+@pytest.mark.jobs(*FITS)
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_every_sample_once_per_epoch_with_rebalancing(fits, mode) -> None:
     run = fits[mode]
@@ -93,63 +160,38 @@ def test_every_sample_once_per_epoch_with_rebalancing(fits, mode) -> None:
     assert ids == list(range(600))
 
 
-def test_resume_mid_epoch_reproduces_the_uninterrupted_run(fits, tmp_path) -> None:
+@pytest.mark.jobs(*FITS, "overlap_resumed", "ddp_resumed")
+def test_resume_mid_epoch_reproduces_the_uninterrupted_run(fits, jobs) -> None:
     """Kill after step 8, resume from its checkpoint: the same packs in the same places, and the
     same parameters as plain DDP resumed the same way.
 
     (A resumed float64 fit differs from the uninterrupted one by ~6e-8 relative under plain
     ``"ddp"`` too, with identical batches: a property of Lightning's resume, not of rebalancing.)
     """
-    root = fits["root"]
-    resumed = _fit(
-        tmp_path / "overlap",
-        "--strategy",
-        "vlmbalance",
-        *EPOCH,
-        "--resume",
-        str(root / "overlap" / "ckpt" / "step=8.ckpt"),
-    )
+    resumed = _fit_of(jobs, "overlap_resumed")  # from overlap/ckpt/step=8.ckpt
     for r in (0, 1):  # 8 optimizer steps x 4 micro-batches were done before the checkpoint
         assert resumed[r]["seen"] == fits["overlap"][r]["seen"][8 * 4 :]
-    ddp_resumed = _fit(
-        tmp_path / "ddp",
-        "--strategy",
-        "ddp",
-        *EPOCH,
-        "--resume",
-        str(root / "ddp" / "ckpt" / "step=8.ckpt"),
-    )
+    ddp_resumed = _fit_of(jobs, "ddp_resumed")  # from ddp/ckpt/step=8.ckpt
     assert _max_rel_diff(resumed["params"], ddp_resumed["params"]) < 1e-10
 
 
-@pytest.mark.parametrize("mode", ["sync", "overlap"])
-def test_a_rank_failing_in_its_exchange_stops_every_rank(tmp_path, mode) -> None:
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=pytest.mark.jobs(f"fail_{m}")) for m in ("sync", "overlap")]
+)
+def test_a_rank_failing_in_its_exchange_stops_every_rank(jobs, mode) -> None:
     """Rank 1 raises inside its exchange: the whole job stops soon, no hang. (That the other
     rank's loader raises ExchangeError itself is shown without Lightning in test_loader.py;
     here Lightning may also stop rank 0 when it sees rank 1 exit.) A hang would run into the
     subprocess timeout (an error of the test), not into a wall-clock assertion."""
-    proc = run_module_raw(
-        "tests.balance.strategy_job",
-        "--out",
-        str(tmp_path),
-        "--strategy",
-        "vlmbalance",
-        "--mode",
-        mode,
-        "--fail-rank",
-        "1",
-        "--fail-at",
-        "3",
-        "--exchange-timeout-s",
-        "10",
-        timeout=240,
-    )
+    proc = result(jobs["procs"], f"fail_{mode}")
+    assert not proc.timed_out, proc.stderr[-3000:]
     assert proc.returncode != 0
     assert "failed on purpose" in proc.stderr or "ExchangeError" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_world_size_one_is_a_no_op(tmp_path) -> None:
-    run = _fit(tmp_path, "--strategy", "vlmbalance", "--devices", "1", "--max-steps", "5")
+@pytest.mark.jobs("world_size_one")
+def test_world_size_one_is_a_no_op(jobs) -> None:
+    run = _fit_of(jobs, "world_size_one")  # --devices 1 --max-steps 5
     assert all(s["moved_packs"] == 0 for s in run[0]["stats"])
 
 
@@ -178,65 +220,38 @@ def test_bad_settings_are_named(kwargs, match) -> None:
         vb.VLMBalanceStrategy(**kwargs)
 
 
-def test_loader_with_other_micro_steps_is_named(tmp_path) -> None:
+@pytest.mark.jobs("mismatch")
+def test_loader_with_other_micro_steps_is_named(jobs) -> None:
     """A user-wrapped RebalancingLoader must agree with accumulate_grad_batches."""
-    out = tmp_path / "mismatch"
-    out.mkdir()
-    proc = run_module_raw(
-        "tests.balance.strategy_job",
-        "--out",
-        str(out),
-        "--strategy",
-        "vlmbalance",
-        "--global-tokens",
-        "--data-micro-steps",
-        "3",
-    )
+    proc = result(jobs["procs"], "mismatch")  # RebalancingLoader(micro_steps=3), accumulate 4
+    assert not proc.timed_out, proc.stderr[-3000:]
     assert proc.returncode != 0
     assert "RebalancingLoader(micro_steps=3)" in proc.stderr
     assert "accumulate_grad_batches=4" in proc.stderr
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed"])
-def test_bf16_trains_with_the_strategy_and_every_callback(tmp_path, precision) -> None:
+@pytest.mark.parametrize(
+    "precision", [pytest.param(p, marks=pytest.mark.jobs(f"precision_{p}")) for p in PRECISIONS]
+)
+def test_bf16_trains_with_the_strategy_and_every_callback(jobs, precision) -> None:
     """bf16 used to fail in the example VLM (the projector's bf16 output put into float32
     embeddings); with the strategy moving packs and every callback on, it trains. (bf16-true:
     tests/examples/test_vlm.py and the Trainer battery.)"""
-    run = _fit(
-        tmp_path,
-        "--strategy",
-        "vlmbalance",
-        "--precision",
-        precision,
-        "--all-callbacks",
-        "--max-steps",
-        "4",
-        "--accumulate",
-        "2",
-    )
+    run = _fit_of(jobs, f"precision_{precision}")  # --all-callbacks --max-steps 4 --accumulate 2
     assert run[0]["optimizer_steps"] == 4
     assert all(torch.isfinite(v.float()).all() for v in run["params"].values())
     assert sum(s["moved_packs"] for s in run[0]["stats"]) > 0
 
 
-@pytest.mark.parametrize(("strategy", "overfit", "per_epoch"), [("vlmbalance", "0.1", 8)])
-def test_overfit_batches_trains_the_same_packs_every_epoch(tmp_path, strategy, overfit, per_epoch):
+@pytest.mark.parametrize(
+    ("strategy", "overfit", "per_epoch"),
+    [pytest.param(*c, marks=pytest.mark.jobs(f"overfit_{c[0]}_{c[1]}")) for c in OVERFIT],
+)
+def test_overfit_batches_trains_the_same_packs_every_epoch(jobs, strategy, overfit, per_epoch):
     """overfit_batches used to fail ("needs to subclass torch.utils.data.DataLoader"). Now: the
     same few packs every epoch (0.1 of 84 packs per rank = 8), each sample once per epoch.
     (overfit_batches=4 and plain "ddp": the Trainer battery.)"""
-    run = _fit(
-        tmp_path,
-        "--strategy",
-        strategy,
-        "--overfit-batches",
-        overfit,
-        "--epochs",
-        "3",
-        "--max-steps",
-        "-1",
-        "--accumulate",
-        "2",
-    )
+    run = _fit_of(jobs, f"overfit_{strategy}_{overfit}")  # --epochs 3 --accumulate 2
     for r in (0, 1):
         epochs = [[ids for e, _, ids in run[r]["seen"] if e == epoch] for epoch in range(3)]
         assert [len(packs) for packs in epochs] == [per_epoch] * 3

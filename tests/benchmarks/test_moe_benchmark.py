@@ -10,12 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.jobs import result_of
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"tokens": 64, "experts": 4, "topk": 2, "hidden": 16, "threads": 1}
@@ -38,18 +38,16 @@ def _has_transformers() -> bool:
     return True
 
 
-def test_moe_benchmark_tiny_run() -> None:
+def _tiny_argv(out: Path) -> list[str]:
     args = [f"--{k}={v}" for k, v in TINY.items()]
     args += ["--warmup", "1", "--reps", "1"]
     args += ["--backend", "aot_eager", "--json"]  # the same graph capture, without inductor
-    out = subprocess.run(
-        [sys.executable, "benchmarks/moe_routing.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
+    return ["benchmarks/moe_routing.py", *args]
+
+
+@pytest.mark.smoke_run("moe_routing", argv=_tiny_argv, check=True, seconds=7)
+def test_moe_benchmark_tiny_run(smoke_runs) -> None:
+    out = result_of(smoke_runs, "moe_routing").proc  # a smoke run (tests/benchmarks/conftest.py)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     # the run is the one configured (the expert hidden size defaults to 2 x hidden)
     assert {k: report[k] for k in TINY} == TINY

@@ -20,6 +20,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.jobs import result_of
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -67,8 +69,14 @@ def _saved_activation_bytes(report: dict, heads: int, device: str, dtype: torch.
     return sum(saved)
 
 
-def test_offload_benchmark_tiny_run() -> None:
-    report = _run("--tiny")
+def _tiny_argv(out: Path) -> list[str]:
+    return ["benchmarks/offload_gpu.py", "--tiny", "--json"]
+
+
+@pytest.mark.smoke_run("offload_tiny", argv=_tiny_argv, timeout=300, check=True, seconds=5)
+def test_offload_benchmark_tiny_run(smoke_runs) -> None:
+    # a smoke run (tests/benchmarks/conftest.py), as _run("--tiny")
+    report = json.loads(result_of(smoke_runs, "offload_tiny").proc.stdout)
     assert report["device"].startswith("cpu") and report["dtype"] == "torch.float32"
     assert (report["tokens"], report["dim"], report["layers"], report["steps"]) == (64, 32, 2, 2)
     rows = report["results"]

@@ -3,50 +3,32 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from lightning_vlmbalance import synthetic_length_table
+from tests.jobs import result_of
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_planner_benchmark_on_a_csv(tmp_path) -> None:
+def _argv(tmp: Path) -> list[str]:
     table = synthetic_length_table(6000, text_share=0.3, seed=0)
-    csv = tmp_path / "mix.csv"
+    csv = tmp / "mix.csv"
     rows = np.stack([table.total_tokens, table.image_tokens, table.images], axis=1)
     np.savetxt(
         csv, rows, fmt="%d", delimiter=",", header="total_tokens,image_tokens,images", comments=""
     )
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/planner.py",
-            "--data",
-            str(csv),
-            "--text-share",
-            "0.2",
-            "--dp",
-            "4,8",
-            "--ga",
-            "1,4",
-            "--objective",
-            "microstep,step,both",
-            "--batches",
-            "2",
-            "--repeat",
-            "1",
-            "--json",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return [
+        "benchmarks/planner.py",
+        *("--data", str(csv), "--text-share", "0.2", "--dp", "4,8", "--ga", "1,4"),
+        *("--objective", "microstep,step,both", "--batches", "2", "--repeat", "1", "--json"),
+    ]
+
+
+@pytest.mark.smoke_run("planner", argv=_argv, timeout=300, seconds=5)
+def test_planner_benchmark_on_a_csv(smoke_runs) -> None:
+    out = result_of(smoke_runs, "planner").proc  # a smoke run (tests/benchmarks/conftest.py)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(result["rows"]) == 2 * 2 * 3

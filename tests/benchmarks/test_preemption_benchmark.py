@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+
+from tests.jobs import result_of
 
 ROW_KEYS = {
     "strategy",
@@ -26,16 +26,15 @@ ROW_KEYS = {
 }
 
 
-def test_preemption_benchmark_one_trial(tmp_path) -> None:
+def _argv(keep: Path) -> list[str]:
     args = "--trials 1 --strategies vlmbalance --modes overlap --target both --cap-s 15 --json"
-    out = subprocess.run(
-        [sys.executable, "benchmarks/preemption.py", *args.split(), "--keep", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return ["benchmarks/preemption.py", *args.split(), "--keep", str(keep)]
+
+
+@pytest.mark.smoke_run("preemption", argv=_argv, timeout=300, seconds=17)
+def test_preemption_benchmark_one_trial(smoke_runs) -> None:
+    run = result_of(smoke_runs, "preemption")  # a smoke run (tests/benchmarks/conftest.py)
+    out, tmp_path = run.proc, run.out
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"command", "date", "machine", "cap_s", "rows", "trials"} <= set(report)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from lightning_vlmbalance import synthetic_length_table
+from tests.jobs import result_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,28 +68,25 @@ def test_read_ahead_raises_the_source_error_and_stops_early() -> None:
     assert _readers() == 0
 
 
-def test_rebalance_e2e_benchmark_on_a_csv(tmp_path) -> None:
+def _e2e_argv(tmp: Path) -> list[str]:
     table = synthetic_length_table(4000, text_share=0.3, seed=0)
-    csv = tmp_path / "mix.csv"
+    csv = tmp / "mix.csv"
     rows = np.stack([table.total_tokens, table.image_tokens, table.images], axis=1)
     np.savetxt(
         csv, rows, fmt="%d", delimiter=",", header="total_tokens,image_tokens,images", comments=""
     )
-    timings = tmp_path / "timings"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/rebalance_e2e.py",
-            *("--data", str(csv), "--text-share", "0.2"),
-            *("--ranks", "2", "--ga", "4", "--steps", "2", "--warmup", "1"),
-            *("--mode", "overlap", "--timings-dir", str(timings), "--json"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    return [
+        "benchmarks/rebalance_e2e.py",
+        *("--data", str(csv), "--text-share", "0.2"),
+        *("--ranks", "2", "--ga", "4", "--steps", "2", "--warmup", "1"),
+        *("--mode", "overlap", "--timings-dir", str(tmp / "timings"), "--json"),
+    ]
+
+
+@pytest.mark.smoke_run("rebalance_e2e", argv=_e2e_argv, seconds=17)
+def test_rebalance_e2e_benchmark_on_a_csv(smoke_runs) -> None:
+    run = result_of(smoke_runs, "rebalance_e2e")  # a smoke run (tests/benchmarks/conftest.py)
+    out, timings = run.proc, run.out / "timings"
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert list(result["modes"]) == ["off", "overlap"]  # off first, as the reference

@@ -3,27 +3,27 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+import pytest
+
+from tests.jobs import result_of
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ("devices_1",)
 
 
-def test_trainer_battery_one_case() -> None:
+def _argv(out: Path) -> list[str]:
+    return ["-m", "benchmarks.trainer_battery", "--cases", ",".join(CASES), "--json"]
+
+
+@pytest.mark.smoke_run(
+    "trainer_battery", argv=_argv, env={"PYTHONPATH": str(ROOT)}, timeout=400, seconds=13
+)
+def test_trainer_battery_one_case(smoke_runs) -> None:
     """A real fit passes the battery's checks; the last line is one JSON object with a row per
     case and the counts."""
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.trainer_battery", "--cases", ",".join(CASES), "--json"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
+    out = result_of(smoke_runs, "trainer_battery").proc  # tests/benchmarks/conftest.py
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert [row["name"] for row in report["cases"]] == list(CASES)

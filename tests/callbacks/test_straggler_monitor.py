@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from lightning_vlmbalance.timing import PHASES
+from tests.jobs import check, result, run_jobs, selected
 from tests.launch import run_module
 
 DELAY_MS = 40.0
@@ -117,21 +118,52 @@ def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int,
         assert np.median(after_val) > np.median(rank1_after_val), (after_val, rank1_after_val)
 
 
-def test_single_device_logs_phases_without_waits(tmp_path: Path) -> None:
-    _run(tmp_path, "--devices", "1", "--delay-ms", "0", "--max-steps", "4")
-    acc = _events(tmp_path)
+@pytest.fixture(scope="module")
+def quick_runs(request, tmp_path_factory) -> dict:
+    """The fits of the selected tests below (``@pytest.mark.jobs``), two at a time (their
+    start-up overlaps; their assertions are not about how long anything took), each in its own
+    folder; a test checks its own fit's exit. (The slow-rank fits above compare waits between
+    ranks: they run alone.)"""
+    root = tmp_path_factory.mktemp("straggler")
+    common = ("--delay-ms", "10", "--accumulate", "4")
+    args = {
+        "totals_a": ("--max-steps", "3", *common),
+        "user_hook": ("--user-hook", "--max-steps", "3", "--delay-ms", "0"),
+        "single": ("--devices", "1", "--delay-ms", "0", "--max-steps", "4"),
+        # resumed from the end of totals_a
+        "totals_b": ("--max-steps", "5", "--resume", str(root / "totals_a" / "last.ckpt"), *common),
+    }
+    after = {"totals_b": ["totals_a"]}
+    procs = run_jobs(
+        {
+            name: ("tests.callbacks.straggler_job", "--out", str(root / name), *a)
+            for name, a in selected(request, args, after).items()
+        },
+        after=after,
+    )
+    return {"root": root, "procs": procs}
+
+
+def _quick(runs: dict, name: str) -> Path:
+    check(result(runs["procs"], name))
+    return runs["root"] / name
+
+
+@pytest.mark.jobs("single")
+def test_single_device_logs_phases_without_waits(quick_runs) -> None:
+    out = _quick(quick_runs, "single")  # --devices 1 --delay-ms 0 --max-steps 4
+    acc = _events(out)
     assert _series(acc, "straggler/llm_fwd_ms/rank_0").min() > 0
     assert (_series(acc, "straggler/sync_wait_ms/rank_0") == 0).all()
     assert (_series(acc, "straggler/lightning_sync_ms/rank_0") == 0).all()
     assert (_series(acc, "straggler/waste_frac") == 0).all()
 
 
-def test_totals_survive_checkpoint_and_resume(tmp_path: Path) -> None:
+@pytest.mark.jobs("totals_a", "totals_b")
+def test_totals_survive_checkpoint_and_resume(quick_runs) -> None:
     """Totals continue after a resume; the resumed run times whole steps of 4 micro-batches."""
-    first, second = tmp_path / "a", tmp_path / "b"
-    common = ("--delay-ms", "10", "--accumulate", "4")
-    _run(first, "--max-steps", "3", *common)
-    _run(second, "--max-steps", "5", "--resume", str(first / "last.ckpt"), *common)
+    # --delay-ms 10 --accumulate 4: 3 steps, then resumed from its last.ckpt up to 5 steps
+    first, second = _quick(quick_runs, "totals_a"), _quick(quick_runs, "totals_b")
     a = json.loads((first / "summary.json").read_text())
     b = json.loads((second / "summary.json").read_text())
     assert a["steps_timed"] == 3 and b["steps_timed"] == 5
@@ -145,7 +177,8 @@ def test_totals_survive_checkpoint_and_resume(tmp_path: Path) -> None:
     assert [(r["global_step"], r["micro_batches"]) for r in rows] == [(4, 4), (5, 4)]
 
 
-def test_user_comm_hook_stays_off_on_cpu(tmp_path: Path) -> None:
+@pytest.mark.jobs("user_hook")
+def test_user_comm_hook_stays_off_on_cpu(quick_runs) -> None:
     """Lightning registers a strategy's comm hook only on CUDA; the monitor must not switch the
     user's hook on (it would change the gradients): here the hook raises if it is ever called."""
-    _run(tmp_path, "--user-hook", "--max-steps", "3", "--delay-ms", "0")
+    _quick(quick_runs, "user_hook")  # --user-hook --max-steps 3 --delay-ms 0: exit 0

@@ -207,13 +207,15 @@ def _two_ranks(rank: int, port: int, queue, table_shift: int) -> None:
 
 
 def _spawn_two(table_shift: int) -> dict:
-    import multiprocessing as mp
     import socket
+
+    from tests.multiproc import context
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # two processes of their own, forked from a server that imported the package once
+    ctx = context("forkserver")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_two_ranks, args=(r, port, queue, table_shift)) for r in (0, 1)]
     for p in procs:
