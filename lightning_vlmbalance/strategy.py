@@ -287,9 +287,27 @@ def _config_from(
 
 
 class _RebalancingProperties:
-    """What both rebalancing strategies expose of their :class:`Rebalancer`."""
+    """What both rebalancing strategies expose of their :class:`Rebalancer`, and the Lightning
+    hooks they forward to it (before the strategy class in the bases: ``super()`` is the
+    strategy's own hook)."""
 
     rebalancer: Rebalancer
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        self.rebalancer.setup(trainer)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.rebalancer.wrap_loader(super().process_dataloader(dataloader))  # type: ignore[misc]
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        self.rebalancer.log_stats()
+        return out
+
+    def teardown(self) -> None:
+        self.rebalancer.teardown()
+        super().teardown()  # type: ignore[misc]
 
     @property
     def config(self) -> RebalanceConfig:
@@ -383,26 +401,6 @@ class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         self.rebalancer.setup_groups()
-
-    @override
-    def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
-        self.rebalancer.setup(trainer)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        return self.rebalancer.wrap_loader(super().process_dataloader(dataloader))
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().training_step(*args, **kwargs)
-        self.rebalancer.log_stats()
-        return out
-
-    @override
-    def teardown(self) -> None:
-        self.rebalancer.teardown()
-        super().teardown()
 
 
 VLMBalanceStrategy.register_strategies(StrategyRegistry)  # the names work once imported
@@ -511,21 +509,6 @@ class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
         super().setup_environment()
         self.rebalancer.setup_groups()
 
-    @override
-    def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
-        self.rebalancer.setup(trainer)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        return self.rebalancer.wrap_loader(super().process_dataloader(dataloader))
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().training_step(*args, **kwargs)
-        self.rebalancer.log_stats()
-        return out
-
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -543,11 +526,6 @@ class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
         finally:
             for m in sharded:
                 m.set_requires_gradient_sync(True, recurse=False)
-
-    @override
-    def teardown(self) -> None:
-        self.rebalancer.teardown()
-        super().teardown()
 
 
 FSDPVLMBalanceStrategy.register_strategies(StrategyRegistry)
