@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_vlmbalance import packed_attention, packed_cross_entropy
+from lightning_vlmbalance.attention import mark_pack_dynamic
 
 
 @dataclass(kw_only=True, slots=True)
@@ -197,6 +198,11 @@ class ToyVLM(L.LightningModule):
         image_ID = self.projector(image_ID).to(x_TD.dtype)
         x_TD = x_TD.index_put((batch["image_positions"],), image_ID)
         return self.llm(x_TD, batch["cu_seqlens"], batch["max_seqlen"])  # (T, V)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # under `trainer.fit(torch.compile(model))`: the sizes that vary from pack to pack are
+        # dynamic from the first compilation on (at most 2 in all); a no-op in eager runs
+        return mark_pack_dynamic(batch) if isinstance(batch, dict) else batch
 
     def loss(self, batch: dict[str, Any]) -> torch.Tensor:
         """The pack's summed token loss times its ``loss_weight``: the gradient of every optimizer

@@ -15,17 +15,24 @@ Backends, chosen per call (``backend="auto"``) or named:
   alone (python ints, no sync): documents gathered into a padded ``(D, max_seqlen)`` batch when
   that costs less than the dense layout, else the whole sequence with a block-diagonal mask. Runs
   everywhere (the CPU path).
+
+Under ``torch.compile`` (``fullgraph=True`` works) the host-side metadata check is skipped (its
+reads would be graph breaks) and the SDPA backend always takes the block-diagonal layout, whose
+shapes are the pack's token count only; :func:`mark_pack_dynamic` marks the sizes that still change
+from pack to pack (documents, images, image tokens) dynamic before the call, so a model compiles
+at most twice (see ``docs/packed_attention.md``, "torch.compile").
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention_backend", "flash_attn_available", "packed_attention"]
+__all__ = ["attention_backend", "flash_attn_available", "mark_pack_dynamic", "packed_attention"]
 
 _FLASH = importlib.util.find_spec("flash_attn") is not None
 try:
@@ -52,6 +59,33 @@ def attention_backend(q: torch.Tensor) -> str:
     return "sdpa"
 
 
+# a PackedBatch's tensors whose first dimension changes from pack to pack (the tokens do not)
+_PACK_VARYING = ("cu_seqlens", "image_cu_seqlens", "pixel_values", "image_positions")
+
+
+def mark_pack_dynamic(batch: dict[str, Any]) -> dict[str, Any]:
+    """Marks the sizes of ``batch`` that change from pack to pack as dynamic for ``torch.compile``.
+
+    Call it on every batch before the compiled model (the example VLM does in
+    ``on_after_batch_transfer``). Without it, dynamo compiles the first pack with static sizes and
+    recompiles for each size that changes, then dynamically, so the count depends on the order
+    of the packs; with it the model compiles once for packs with images and once for packs
+    without (a size of 0 or 1 is always specialised). Marking is a hint: no cost in eager runs.
+
+    Args:
+        batch: a ``PackedBatch``; the first dimension of ``cu_seqlens``, ``image_cu_seqlens``,
+            ``pixel_values`` and ``image_positions`` is marked, where present.
+
+    Returns:
+        ``batch`` itself.
+    """
+    for key in _PACK_VARYING:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.dim():
+            torch._dynamo.maybe_mark_dynamic(value, 0)
+    return batch
+
+
 def packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -69,7 +103,8 @@ def packed_attention(
         k: ``(T, Hkv, Dh)`` keys; ``Hkv`` divides ``H`` (grouped-query attention).
         v: ``(T, Hkv, Dh)`` values.
         cu_seqlens: ``(D + 1,)`` int32 document offsets, ``cu_seqlens[-1] == T``.
-        max_seqlen: length of the longest document (python int).
+        max_seqlen: length of the longest document (python int); under ``torch.compile`` it is
+            not read (``T`` bounds it), so a changing value recompiles nothing.
         causal: mask future tokens of the same document.
         softmax_scale: defaults to ``Dh ** -0.5``.
         backend: ``"auto"`` (see :func:`attention_backend`), or ``"flash_attn"``, ``"varlen"``,
@@ -84,7 +119,10 @@ def packed_attention(
             f"packed_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do"
             " not fit (T must match, k and v must have the same shape, Hkv must divide H)"
         )
-    if cu_seqlens.device.type == "cpu":  # checking costs no device sync here
+    compiling = torch.compiler.is_compiling()
+    # checking costs no device sync on the CPU; under torch.compile the reads would be graph
+    # breaks (``Tensor.item()``), so a compiled model is checked in eager runs only
+    if cu_seqlens.device.type == "cpu" and not compiling:
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         if int(cu_seqlens[-1]) != T or (lens.numel() and int(lens.max()) > max_seqlen):
             raise ValueError(
@@ -103,6 +141,10 @@ def packed_attention(
             f"packed_attention: `backend={backend!r}` needs CUDA fp16/bf16 tensors, got"
             f" {q.device.type} {q.dtype}"
         )
+    if compiling:
+        # an upper bound serves the varlen kernels (only their grid grows) and, unlike the pack's
+        # own int, is no guard that recompiles when the longest document changes
+        max_seqlen = T
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
@@ -119,6 +161,10 @@ def packed_attention(
         v = v.repeat_interleave(H // v.shape[1], dim=1)
     D = cu_seqlens.numel() - 1
     cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    if compiling:
+        # the padded layout's shapes (D, max_seqlen) change from pack to pack and each change
+        # would recompile; the block-diagonal mask's shapes are the pack's T only
+        return _block_diagonal(q, k, v, cu, causal, softmax_scale)
     if D * max_seqlen * max_seqlen <= T * T:
         return _padded_documents(q, k, v, cu, D, max_seqlen, causal, softmax_scale)
     return _block_diagonal(q, k, v, cu, causal, softmax_scale)

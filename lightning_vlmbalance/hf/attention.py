@@ -71,18 +71,26 @@ def vlmbalance_attention(
             f"attn_implementation='vlmbalance' has no attention dropout ({type(module).__name__}"
             f" asks for {dropout}); set the model config's attention_dropout to 0"
         )
-    cu_k = kwargs.get("cu_seq_lens_k")
-    if cu_k is not None and cu_k is not cu and not torch.equal(cu_k.cpu(), cu.cpu()):
-        raise ValueError("attn_implementation='vlmbalance': cu_seq_lens_k must equal cu_seq_lens_q")
-    max_len = kwargs.get("max_length_q")
-    if max_len is None:
-        max_len = int((cu[1:] - cu[:-1]).max())  # a host sync: pass max_length_q to avoid it
+    if torch.compiler.is_compiling():
+        # no host reads (graph breaks), and no python int that changes from pack to pack (a
+        # recompilation): packed_attention needs only an upper bound of the longest document
+        max_len = query.shape[2]
+    else:
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and cu_k is not cu and not torch.equal(cu_k.cpu(), cu.cpu()):
+            raise ValueError(
+                "attn_implementation='vlmbalance': cu_seq_lens_k must equal cu_seq_lens_q"
+            )
+        max_len = kwargs.get("max_length_q")
+        if max_len is None:
+            max_len = int((cu[1:] - cu[:-1]).max())  # a host sync: pass max_length_q to avoid it
+        max_len = int(max_len)
     out = packed_attention(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
         cu,
-        int(max_len),
+        max_len,
         causal=True,
         softmax_scale=scaling,
     )  # (T, H, Dh)
