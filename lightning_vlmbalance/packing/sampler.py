@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         exact: with ``balance``, keep every global batch's samples of the unbalanced plan (the
             parameters equal the unbalanced run's) and only re-form its packs where they fit;
             the plan counts ``balanced_batches`` and ``fallback_batches``.
+        plan_ahead: with ``balance``, plan the next epoch in a background thread once the
+            current epoch's plan is made (``planned_ahead`` counts the plans taken from it).
 
     Raises:
         ValueError: for a bad length table or setting, naming the sample or the setting.
@@ -103,6 +106,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         micro_steps: int | None = None,
         images: Sequence[int] | np.ndarray | None = None,
         exact: bool = False,
+        plan_ahead: bool = True,
         **options: Any,
     ) -> None:
         if config is not None and options:
@@ -149,6 +153,9 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         self._check_rank()
         self.epoch = 0
         self._plan: EpochPlan | None = None
+        self._ahead: dict[str, Any] | None = None
+        self.plan_ahead = bool(plan_ahead)
+        self.planned_ahead = 0  # plans taken from the background
         digest = hashlib.sha1(self.total_tokens.tobytes())
         digest.update(self.image_tokens.tobytes())
         self._table_hash = digest.hexdigest()
@@ -212,36 +219,81 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         self.epoch = epoch
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """The packing plan of ``epoch`` (default: the current one), cached for the last epoch."""
+        """The packing plan of ``epoch`` (default: the current one), cached for the last epoch.
+
+        A balanced sampler plans the next epoch in a background thread as soon as it has the
+        current one (the former runs as machine code without the GIL), so a new epoch finds its
+        plan ready instead of computing it on the step's path."""
         epoch = self.epoch if epoch is None else epoch
         if self._plan is None or self._plan.epoch != epoch:
-            if self.cost_model is not None:
-                plan = build_balanced_epoch_plan(
-                    self.total_tokens,
-                    self.image_tokens,
-                    self.images,
-                    self.config,
-                    world_size=self.num_replicas,
-                    epoch=epoch,
-                    balance=SourceBalance(
-                        micro_steps=self.micro_steps,
-                        objective="step" if self.objective == "auto" else self.objective,
-                        exact=self.exact,
-                    ),
-                    cost_model=self.cost_model,
-                )
-            else:
-                plan = build_epoch_plan(
-                    self.total_tokens,
-                    self.image_tokens,
-                    self.config,
-                    world_size=self.num_replicas,
-                    epoch=epoch,
-                )
+            plan = self._take_ahead(epoch)
+            if plan is None:
+                plan = self._build(self._settings(epoch))
             if epoch != self.epoch:
                 return plan
             self._plan = plan
+            self._plan_ahead(epoch + 1)
         return self._plan
+
+    def _settings(self, epoch: int) -> tuple:
+        return (epoch, self.num_replicas, self.micro_steps, self.objective, self.exact)
+
+    def _build(self, settings: tuple) -> EpochPlan:
+        epoch, world, micro_steps, objective, exact = settings
+        if self.cost_model is None:
+            return build_epoch_plan(
+                self.total_tokens,
+                self.image_tokens,
+                self.config,
+                world_size=world,
+                epoch=epoch,
+            )
+        return build_balanced_epoch_plan(
+            self.total_tokens,
+            self.image_tokens,
+            self.images,
+            self.config,
+            world_size=world,
+            epoch=epoch,
+            balance=SourceBalance(
+                micro_steps=micro_steps,
+                objective="step" if objective == "auto" else objective,
+                exact=exact,
+            ),
+            cost_model=self.cost_model,
+        )
+
+    def _plan_ahead(self, epoch: int) -> None:
+        if self.cost_model is None or not self.plan_ahead:
+            return
+        settings = self._settings(epoch)
+        ahead: dict[str, Any] = {"settings": settings}
+
+        def run() -> None:
+            try:
+                ahead["plan"] = self._build(settings)
+            except BaseException as err:  # raised where the plan is taken
+                ahead["error"] = err
+
+        thread = threading.Thread(target=run, name="vlmbalance-plan-ahead", daemon=True)
+        ahead["thread"] = thread
+        self._ahead = ahead
+        thread.start()
+
+    def _take_ahead(self, epoch: int) -> EpochPlan | None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead["settings"] != self._settings(epoch):
+            return None  # none, or planned for other settings: plan again
+        ahead["thread"].join()
+        if "error" in ahead:
+            raise ahead["error"]
+        self.planned_ahead += 1
+        return ahead["plan"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_ahead"] = None  # a thread does not pickle; the copy plans again if it needs to
+        return state
 
     def pack_refs(self, start: int = 0) -> list[tuple[int, np.ndarray]]:
         """``(pack_id, sample_ids)`` of this rank's packs from position ``start`` on."""

@@ -25,9 +25,6 @@ the length table and the settings: every rank computes the same plan.
 
 from __future__ import annotations
 
-import bisect
-import heapq
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,8 +98,9 @@ def form_balanced_batches(
     seq_len: int,
     pack_fixed_image_cost: float,
     settings: SourceBalance,
-) -> list[list[list[int]]]:
-    """The epoch's global batches, each a list of ``packs_per_batch`` packs (sample id lists).
+) -> list[Packs]:
+    """The epoch's global batches, each as :class:`~lightning_vlmbalance.packing.Packs` of
+    ``packs_per_batch`` packs (positions are sample ids).
 
     Args:
         order: the epoch's samples in stream order (shuffled, over-long ones removed).
@@ -116,200 +114,34 @@ def form_balanced_batches(
     Returns:
         The global batches in order; the last may have fewer than ``P`` packs.
     """
-    P, T = packs_per_batch, seq_len
-    stream = [int(s) for s in order]
-    pos = 0  # next unread position in the stream
-    waiting: list[int] = []  # samples that did not fit the previous batch
-    taken = np.zeros(len(tokens), dtype=bool)  # pulled forward by a fill from the lookahead
-    batches: list[list[list[int]]] = []
-    while pos < len(stream) or waiting:
-        window, pos = _window(stream, pos, waiting, taken, tokens, P * T * (1 + settings.slack))
-        remaining = sum(int(tokens[s]) for s in window) + sum(
-            int(tokens[s]) for s in stream[pos:] if not taken[s]
-        )
-        if remaining <= P * T:  # the epoch's last global batch: everything that is left
-            window += [s for s in stream[pos:] if not taken[s]]
-            pos = len(stream)
-        packs, left = _balance(
-            window, tokens, image_tokens, cost, P, T, pack_fixed_image_cost, settings
-        )
-        if pos < len(stream):
-            _fill_from_lookahead(
-                packs,
-                stream,
-                pos,
-                taken,
-                tokens,
-                image_tokens,
-                T,
-                settings.lookahead,
-                cost=cost,
-                fill_images=settings.fill_with_images,
-            )
-        if pos >= len(stream) and left:
-            # the last batch: whatever did not fit gets packs of its own (greedy, first fit)
-            packs += _first_fit(left, tokens, T)
-            left = []
-        waiting = left
-        packs = [p for p in packs if p]
-        # the last batch may need more than P packs for what was left: more global batches
-        batches += [packs[i : i + P] for i in range(0, len(packs), P)]
+    from lightning_vlmbalance.packing._source_kernel import form_epoch
+
+    P = int(packs_per_batch)
+    samples, pack_len, window_packs = form_epoch(
+        np.ascontiguousarray(order, dtype=np.int64),
+        np.ascontiguousarray(tokens, dtype=np.int64),
+        np.ascontiguousarray(image_tokens, dtype=np.int64),
+        np.ascontiguousarray(cost, dtype=np.float64),
+        P,
+        int(seq_len),
+        float(pack_fixed_image_cost),
+        float(settings.slack),
+        int(settings.small_tokens),
+        int(settings.lookahead),
+        bool(settings.fill_with_images),
+    )
+    offsets = np.zeros(len(pack_len) + 1, dtype=np.int64)
+    np.cumsum(pack_len, out=offsets[1:])
+    batches: list[Packs] = []
+    first = 0
+    for made in window_packs.tolist():
+        # a window makes P packs, but for the last, which may need more for what was left
+        for k in range(first, first + made, P):
+            stop = min(k + P, first + made)
+            lo = offsets[k]
+            batches.append(Packs(samples[lo : offsets[stop]], offsets[k : stop + 1] - lo))
+        first += made
     return batches
-
-
-def _window(
-    stream: list[int],
-    pos: int,
-    waiting: list[int],
-    taken: np.ndarray,
-    tokens: np.ndarray,
-    budget: float,
-) -> tuple[list[int], int]:
-    window = list(waiting)
-    total = sum(int(tokens[s]) for s in window)
-    while pos < len(stream) and total < budget:
-        s = stream[pos]
-        pos += 1
-        if taken[s]:
-            continue
-        window.append(s)
-        total += int(tokens[s])
-    return window, pos
-
-
-def _balance(
-    window: Sequence[int],
-    tokens: np.ndarray,
-    image_tokens: np.ndarray,
-    cost: np.ndarray,
-    P: int,
-    T: int,
-    fixed: float,
-    settings: SourceBalance,
-) -> tuple[list[list[int]], list[int]]:
-    ids = np.asarray(window, dtype=np.int64)
-    small_mask = (image_tokens[ids] == 0) & (tokens[ids] <= settings.small_tokens)
-    big = ids[~small_mask]
-    small = ids[small_mask]
-    big = big[np.argsort(-cost[big], kind="stable")]
-    room = [T] * P
-    load = [0.0] * P
-    has_image = [False] * P
-    packs: list[list[int]] = [[] for _ in range(P)]
-    left: list[int] = []
-    heap = [(0.0, p) for p in range(P)]
-    for s in big.tolist():
-        n = int(tokens[s])
-        popped = []
-        chosen = -1
-        while heap:
-            item = heapq.heappop(heap)
-            if room[item[1]] >= n:
-                chosen = item[1]
-                break
-            popped.append(item)
-        for item in popped:
-            heapq.heappush(heap, item)
-        if chosen < 0:
-            left.append(s)
-            continue
-        packs[chosen].append(s)
-        room[chosen] -= n
-        load[chosen] += float(cost[s])
-        if image_tokens[s] > 0 and not has_image[chosen]:
-            has_image[chosen] = True
-            load[chosen] += fixed
-        if room[chosen] > 0:
-            heapq.heappush(heap, (load[chosen], chosen))
-    small = small[np.argsort(-tokens[small], kind="stable")]
-    left += _best_fit(packs, room, small.tolist(), tokens)
-    return packs, left
-
-
-def _best_fit(
-    packs: list[list[int]], room: list[int], samples: list[int], tokens: np.ndarray
-) -> list[int]:
-    """Each sample (given longest first) into the fullest pack it fits; returns the misfits."""
-    gaps = sorted((room[p], p) for p in range(len(packs)) if room[p] > 0)
-    keys = [g for g, _ in gaps]
-    left = []
-    for s in samples:
-        n = int(tokens[s])
-        i = bisect.bisect_left(keys, n)
-        if i == len(keys):
-            left.append(s)
-            continue
-        gap, p = gaps.pop(i)
-        keys.pop(i)
-        packs[p].append(s)
-        gap -= n
-        room[p] = gap
-        if gap > 0:
-            j = bisect.bisect_left(keys, gap)
-            keys.insert(j, gap)
-            gaps.insert(j, (gap, p))
-    return left
-
-
-def _fill_from_lookahead(
-    packs: list[list[int]],
-    stream: list[int],
-    pos: int,
-    taken: np.ndarray,
-    tokens: np.ndarray,
-    image_tokens: np.ndarray,
-    T: int,
-    lookahead: int,
-    *,
-    cost: np.ndarray,
-    fill_images: bool,
-) -> None:
-    """Gaps left in the packs take the best-fitting samples of the next ``lookahead`` of the
-    stream (read earlier than their turn; they are then skipped where they stood)."""
-    room = [T - sum(int(tokens[s]) for s in p) for p in packs]
-    load = [sum(float(cost[s]) for s in p) for p in packs]
-    if not any(room):
-        return
-    # text only: an image pulled into a gap would add vision cost to one pack
-    ahead = [s for s in stream[pos : pos + lookahead] if not taken[s] and image_tokens[s] == 0]
-    ahead = [s for s in ahead if tokens[s] <= max(room)]
-    if not ahead:
-        return
-    ahead.sort(key=lambda s: -int(tokens[s]))
-    misfits = set(_best_fit(packs, room, ahead, tokens))
-    for s in ahead:
-        if s not in misfits:
-            taken[s] = True
-    if fill_images and any(r > 0 for r in room):
-        # then samples with images, each into the least loaded pack it fits
-        cand = [s for s in stream[pos : pos + lookahead] if not taken[s] and image_tokens[s] > 0]
-        cand.sort(key=lambda s: -int(tokens[s]))
-        for s in cand:
-            n = int(tokens[s])
-            fits = [p for p in range(len(packs)) if room[p] >= n]
-            if not fits:
-                continue
-            p = min(fits, key=lambda p: load[p])
-            packs[p].append(s)
-            room[p] -= n
-            load[p] += float(cost[s])
-            taken[s] = True
-
-
-def _first_fit(samples: list[int], tokens: np.ndarray, T: int) -> list[list[int]]:
-    packs: list[list[int]] = []
-    room: list[int] = []
-    for s in sorted(samples, key=lambda s: -int(tokens[s])):
-        n = int(tokens[s])
-        for p, r in enumerate(room):
-            if r >= n:
-                packs[p].append(s)
-                room[p] -= n
-                break
-        else:
-            packs.append([s])
-            room.append(T - n)
-    return packs
 
 
 def sample_costs(
@@ -397,29 +229,20 @@ def build_balanced_epoch_plan(
     rank_ids: list[list[int]] = [[] for _ in range(R)]
     tokens: list[int] = []
     padding = 0
+    empty = np.zeros(0, np.int64)
     for batch in batches:
-        packs = [np.asarray(p, dtype=np.int64) for p in batch]
-        padding += R * G - len(packs)
-        packs += [np.zeros(0, np.int64)] * (R * G - len(packs))
-        feats = features_from_packs(Packs.from_lists(packs), lengths, image_tokens, images)
-        pack_cost = np.round(cost_model.pack_cost_ms(feats) * 1000).astype(np.int64)
-        pack_cost[[len(p) == 0 for p in packs]] = 0
-        placed = plan_rebalance(
-            pack_cost,
-            np.repeat(np.arange(R), G),
-            R,
-            G,
-            objective=balance.objective,
-            tolerance=0.0,
-        ).assignment  # (R, G, 1)
+        n_real = len(batch)
+        padding += R * G - n_real
+        pack_tokens = batch.tokens(lengths).tolist()
+        placed = _place(batch, lengths, image_tokens, images, cost_model, R, G, balance.objective)
         for r in range(R):
-            for m in range(G):
-                p = int(placed[r, m, 0])
-                rank_packs[r].append(packs[p])
-                if len(packs[p]):
+            for p in placed[r]:
+                if p < n_real:
+                    rank_packs[r].append(batch[p])
                     rank_ids[r].append(len(tokens))
-                    tokens.append(int(lengths[packs[p]].sum()))
+                    tokens.append(pack_tokens[p])
                 else:
+                    rank_packs[r].append(empty)
                     rank_ids[r].append(PADDING)
     return EpochPlan(
         epoch=epoch,
@@ -436,6 +259,33 @@ def build_balanced_epoch_plan(
     )
 
 
+def _place(
+    batch: Packs,
+    lengths: np.ndarray,
+    image_tokens: np.ndarray,
+    images: np.ndarray,
+    cost_model: CostModel,
+    R: int,
+    G: int,
+    objective: str,
+) -> list[list[int]]:
+    """Which of the batch's packs (index; ``>= len(batch)``: padding) each rank trains at each
+    micro-step: the planner's placement for the objective. With one micro-step every placement
+    is as good (each rank has one pack): pack ``r`` to rank ``r``."""
+    if G == 1:
+        return [[r] for r in range(R)]
+    feats = features_from_packs(batch, lengths, image_tokens, images)
+    pack_cost = np.zeros(R * G, dtype=np.int64)
+    pack_cost[: len(batch)] = np.round(cost_model.pack_cost_ms(feats) * 1000)
+    return (
+        plan_rebalance(
+            pack_cost, np.repeat(np.arange(R), G), R, G, objective=objective, tolerance=0.0
+        )
+        .assignment[:, :, 0]
+        .tolist()
+    )  # (R, G)
+
+
 def _exact_batches(
     total_tokens: np.ndarray,
     image_tokens: np.ndarray,
@@ -447,23 +297,38 @@ def _exact_batches(
     G: int,
     epoch: int,
     balance: SourceBalance,
-) -> tuple[list[list[list[int]]], int]:
+) -> tuple[list[Packs], int]:
     """The unbalanced plan's global batches, each re-formed into as many balanced packs from its
     own samples where they fit; otherwise kept as they are. Returns the batches and how many
     were kept."""
+    from lightning_vlmbalance.packing._source_kernel import balance_window, emit_packs
+
     plain = build_epoch_plan(total_tokens, image_tokens, config, world_size=R, epoch=epoch)
     n = plain.packs_per_rank
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    image_tokens = np.ascontiguousarray(image_tokens, dtype=np.int64)
+    cost = np.ascontiguousarray(cost, dtype=np.float64)
     batches, fallback = [], 0
     for k in range(0, n, G):
-        packs = [plain.rank_packs[r][j].tolist() for r in range(R) for j in range(k, min(k + G, n))]
-        packs = [p for p in packs if p]
-        samples = [s for p in packs for s in p]
-        re_formed, left = _balance(
-            samples, lengths, image_tokens, cost, len(packs), config.seq_len, fixed, balance
+        packs = [plain.rank_packs[r][j] for r in range(R) for j in range(k, min(k + G, n))]
+        packs = Packs.from_lists([p for p in packs if len(p)])
+        seq_s = np.empty(len(packs.positions), dtype=np.int64)
+        seq_p = np.empty(len(packs.positions), dtype=np.int64)
+        nseq, left, _, _ = balance_window(
+            packs.positions,
+            lengths,
+            image_tokens,
+            cost,
+            len(packs),
+            config.seq_len,
+            fixed,
+            balance.small_tokens,
+            seq_s,
+            seq_p,
         )
-        if left:
+        if len(left):
             fallback += 1
             batches.append(packs)
         else:
-            batches.append([p for p in re_formed if p])
+            batches.append(emit_packs(seq_s[:nseq], seq_p[:nseq], len(packs)))
     return batches, fallback

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import subprocess
@@ -239,3 +240,22 @@ def test_cost_model_from_a_json_file(tmp_path) -> None:
         balance=str(tmp_path / "cost.json"),
     )
     assert s.balanced and s.cost_model.to_dict() == model.to_dict()
+
+
+def test_the_next_epoch_is_planned_in_the_background() -> None:
+    """After epoch 0's plan the sampler plans epoch 1 in a thread; a new epoch takes it (the
+    same plan as computed in the foreground), and a change of settings discards it."""
+    t = _table()
+    kwargs = dict(seq_len=8192, num_replicas=4, rank=0, balance=True, micro_steps=2)
+    s = vb.PackingSampler(t.total_tokens, t.image_tokens, **kwargs)
+    s.set_epoch(1)
+    ahead = s.plan()
+    assert s.planned_ahead == 1
+    fresh = vb.PackingSampler(t.total_tokens, t.image_tokens, plan_ahead=False, **kwargs)
+    fresh.set_epoch(1)
+    assert _digest(ahead) == _digest(fresh.plan()) and fresh.planned_ahead == 0
+    s.set_micro_steps(2, "microstep")  # the objective was left to default: epoch 2 re-plans
+    s.set_epoch(2)
+    s.plan()
+    assert s.planned_ahead == 1
+    assert _digest(copy.deepcopy(s).plan()) == _digest(s.plan())  # the thread does not copy
