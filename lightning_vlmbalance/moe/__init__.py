@@ -1,6 +1,6 @@
 """Sort-based MoE token dispatch that compiles with ``fullgraph=True``.
 
-Framework-free core: :func:`route`, :func:`dispatch`, :func:`combine`,
+Framework-free core: :func:`route`, :func:`dispatch`, :func:`gather`, :func:`combine`,
 :func:`load_balancing_loss`, :func:`grouped_mlp`, :func:`grouped_mm`,
 :func:`patch_moe_modules` and :func:`unsupported_moe_modules`; the Lightning callback is
 :class:`~lightning_vlmbalance.callbacks.CompiledMoERouting`.
@@ -25,6 +25,7 @@ from lightning_vlmbalance.moe.routing import (
     Dispatch,
     combine,
     dispatch,
+    gather,
     load_balancing_loss,
     route,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "dispatch",
     "expert_list_moe",
     "fused_experts_moe",
+    "gather",
     "grouped_mlp",
     "grouped_mm",
     "load_balancing_loss",

@@ -34,7 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_vlmbalance.moe.grouped import grouped_mlp
-from lightning_vlmbalance.moe.routing import SCORES, combine, dispatch, load_balancing_loss, route
+from lightning_vlmbalance.moe.routing import (
+    SCORES,
+    combine,
+    dispatch,
+    gather,
+    load_balancing_loss,
+    route,
+)
 
 __all__ = [
     "PatchedMoE",
@@ -98,7 +105,7 @@ def expert_list_moe(
         F.linear(x_ND, router_w), top_k, renormalize=True, score_dtype=None
     )
     d = dispatch(experts_NK, E)
-    xs = x_ND.index_select(0, d.token)
+    xs = gather(x_ND, d)
     y = grouped_mlp(
         xs,
         torch.stack(up_w),
@@ -125,7 +132,7 @@ def fused_experts_moe(
     stored (E, in, out) rather than (E, out, in). Returns ``(out_NH, counts_E)``."""
     E = gate_up.shape[0]
     d = dispatch(top_k_index, E)
-    xs = x_NH.index_select(0, d.token)
+    xs = gather(x_NH, d)
     w1 = gate_up.transpose(1, 2) if transposed else gate_up  # (E, 2F, H)
     w2 = down.transpose(1, 2) if transposed else down  # (E, H, F)
     y = grouped_mlp(xs, w1, None, w2, None, d.offsets, act=_ACTIVATIONS[act], gated=True)

@@ -6,8 +6,16 @@ Legend: N tokens, K experts per token, S = N*K routed rows, E experts, H hidden.
 by expert with one stable ``argsort`` and counts the rows per expert with one ``scatter_add_``
 (fixed shapes: no ``bincount``, ``nonzero``, boolean indexing, ``.item()`` or ``.tolist()``),
 so the rows of expert ``e`` are the contiguous slice ``offsets[e-1]:offsets[e]`` of the sorted
-order; :func:`combine` puts the expert outputs back in token order and sums them with their
-weights. Everything here compiles with ``torch.compile(fullgraph=True)``.
+order; :func:`gather` takes the rows of ``x`` in that order and :func:`combine` puts the expert
+outputs back in token order and sums them with their weights. Everything here compiles with
+``torch.compile(fullgraph=True)``.
+
+Both row moves are gathers in the forward *and* the backward: the backward of an ``index_select``
+is a scatter-add, which inductor's CPU code runs, on more than one thread, as a parallel loop of
+per-element atomic adds (compare-and-swap), ~10x slower than the gather here (9 ms against
+0.8 ms per step at N=2048, K=8, H=64 on 2 threads: ``docs/moe_routing.md``). ``inverse`` makes
+the backward a gather: ``combine``'s rows are a permutation (its inverse is ``order``), and each
+token's K rows of ``gather`` are the sorted positions ``inverse[token * K + k]``.
 """
 
 from __future__ import annotations
@@ -16,7 +24,15 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SCORES", "Dispatch", "combine", "dispatch", "load_balancing_loss", "route"]
+__all__ = [
+    "SCORES",
+    "Dispatch",
+    "combine",
+    "dispatch",
+    "gather",
+    "load_balancing_loss",
+    "route",
+]
 
 SCORES: tuple[str, ...] = ("softmax", "sigmoid")
 
@@ -86,10 +102,56 @@ def dispatch(experts_NK: torch.Tensor, num_experts: int) -> Dispatch:
     return Dispatch(order_S, order_S // K, flat_S[order_S], counts_E, offsets_E, inverse_S)
 
 
+class _TokenRows(torch.autograd.Function):
+    """``x.index_select(0, token)`` whose backward sums each token's K rows by a gather."""
+
+    @staticmethod
+    def forward(x_NH, token_S, inverse_S):
+        return x_NH.index_select(0, token_S)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x_NH, _, inverse_S = inputs
+        ctx.save_for_backward(inverse_S)
+        ctx.N = x_NH.shape[0]
+
+    @staticmethod
+    def backward(ctx, grad_SH):
+        (inverse_S,) = ctx.saved_tensors
+        N = ctx.N
+        K = inverse_S.shape[0] // N if N else 0
+        # the rows of token n sit at inverse[n*K : (n+1)*K]; summed in top-k order
+        return grad_SH.index_select(0, inverse_S).view(N, K, -1).sum(dim=1), None, None
+
+
+class _PermutedRows(torch.autograd.Function):
+    """``y.index_select(0, perm)`` for a permutation ``perm``; backward gathers with its
+    inverse ``unperm`` (each row is moved once: the same values as the scatter, no sum)."""
+
+    @staticmethod
+    def forward(y_SH, perm_S, unperm_S):
+        return y_SH.index_select(0, perm_S)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad_SH):
+        (unperm_S,) = ctx.saved_tensors
+        return grad_SH.index_select(0, unperm_S), None, None
+
+
+def gather(x_NH: torch.Tensor, d: Dispatch) -> torch.Tensor:
+    """The routed rows in sorted order, ``x[d.token]``: (S, H). The backward sums each token's
+    K row gradients with a gather, never a scatter-add (see the module docstring)."""
+    return _TokenRows.apply(x_NH, d.token, d.inverse)
+
+
 def combine(y_SH: torch.Tensor, d: Dispatch, weights_NK: torch.Tensor) -> torch.Tensor:
     """``out[n] = sum_k weights[n, k] * y[row of (n, k)]`` in the dtype of ``y``: (N, H)."""
     N, K = weights_NK.shape
-    y_NKH = y_SH.index_select(0, d.inverse).view(N, K, -1)
+    y_NKH = _PermutedRows.apply(y_SH, d.inverse, d.order).view(N, K, -1)
     return (y_NKH * weights_NK.unsqueeze(-1).to(y_NKH.dtype)).sum(dim=1)
 
 
