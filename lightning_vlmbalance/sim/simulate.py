@@ -252,9 +252,18 @@ class _SourcePool:
                     idx.append(len(flat))
                     flat.append(plan.rank_packs[r][k * G + m])
             self.draws.append(np.asarray(idx, dtype=np.int64))
-        feats = features_from_packs(Packs.from_lists(flat), total, image, images)
+        packs = Packs.from_lists(flat)
+        feats = features_from_packs(packs, total, image, images)
         self.cost_ms = cost_model.pack_cost_ms(feats)
         self.cost_ms[feats["total_tokens"] == 0] = 0.0
+        # a lower bound's term: the heaviest sample of each pack, as a pack of its own
+        alone = Packs(np.arange(len(total)), np.arange(len(total) + 1))
+        sample_ms = cost_model.pack_cost_ms(features_from_packs(alone, total, image, images))
+        self.heaviest_ms = np.zeros(len(packs))
+        full = packs.sizes() > 0
+        self.heaviest_ms[full] = np.maximum.reduceat(
+            sample_ms[packs.positions], packs.offsets[:-1][full]
+        )
         self.tokens = feats["total_tokens"]
         self.bytes = (feats["total_tokens"] - feats["image_tokens"]) * exchange.text_token_bytes
         self.bytes += feats["image_tokens"] * exchange.image_token_bytes
@@ -421,7 +430,7 @@ def _run(
     overhead_ms: float,
     progress: Callable[[int], Any] | None,
 ) -> dict[str, Any]:
-    steps, ideals, moved, exposed, tokens = [], [], [], [], []
+    steps, ideals, moved, exposed, tokens, bounds = [], [], [], [], [], []
     origin = np.repeat(np.arange(R, dtype=np.int64), G)
     for draw in draws:
         cost = p.cost_ms[draw]
@@ -452,11 +461,17 @@ def _run(
         steps.append(step + exposed_ms)
         exposed.append(exposed_ms)
         ideals.append(float(cost.sum()) / R)
+        if isinstance(p, _SourcePool):  # no step is shorter than its heaviest sample
+            bounds.append(max(ideals[-1], float(p.heaviest_ms[draw].max())))
         tokens.append(float(p.tokens[draw].sum()))
         if progress is not None:
             progress(1)
     step_ms = float(np.mean(steps))
     ideal = float(np.mean(ideals))
+    extra = {}
+    if bounds:
+        bound = float(np.mean(bounds))
+        extra = {"bound_step_ms": bound, "waste_vs_bound": 1.0 - bound / step_ms}
     return {
         "strategy": strategy,
         "dp": R,
@@ -469,6 +484,7 @@ def _run(
         "packing_efficiency": p.efficiency,
         "moved_packs": float(np.mean(moved)) if moved else 0.0,
         "exposed_exchange_ms": float(np.mean(exposed)),
+        **extra,
     }
 
 
