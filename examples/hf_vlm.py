@@ -22,7 +22,7 @@ from transformers import AutoModelForImageTextToText
 
 import lightning_vlmbalance as vb
 import lightning_vlmbalance.hf as vbhf
-from examples.train import RunSummary
+from examples.train import RunSummary, print_run
 from lightning_vlmbalance.hf.synthetic import SyntheticProcessed, tiny_config
 
 
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         int(images[ids].sum() == 0) for packs in plan.rank_packs for ids in packs if len(ids)
     )
     if trainer.is_global_zero:
+        print_run(summary.summary)
         print(f"Text-only packs in the last epoch: {summary.summary['text_only_packs']}")
     return summary.summary
 

@@ -1,18 +1,26 @@
-"""The main job: a real multi-process training of the example VLM on the CPU.
+"""The main job: a real multi-process training of the example VLM on the CPU, and the gain.
 
-    python -m examples.train                      # 2 processes (gloo), strategy "vlmbalance"
-    python -m examples.train --balance-mode off   # same run, packs not moved (same math)
-    python -m examples.train --strategy ddp       # plain DDP
+    python -m examples.train                        # 2 processes (gloo): off, overlap, source
+    python -m examples.train --balance-mode source  # one mode alone
+    python -m examples.train --strategy ddp         # plain DDP, one run
     python -m examples.train --data a.csv --length-scale 0.0625 --seq-len 512
 
-Lightning's DDP launcher re-runs this module for the other ranks. Logs go to TensorBoard under
-``--root`` (default ``runs/``); the summary at the end says where.
+By default one invocation trains the same data three times from the same initial weights:
+``off`` (packs where the sampler put them), then ``overlap`` (whole packs exchanged between
+ranks in the background) and ``source`` (global batches formed by cost in the sampler), with a
+cost model calibrated from the ``off`` run's own StragglerMonitor logs in between. It prints a
+side-by-side table, writes a PNG of every rank's step and vision time per mode next to the
+TensorBoard logs, and ends with one ``SUMMARY_JSON`` line.
+
+Lightning's DDP launcher re-runs this module for the other ranks; the modes run one after the
+other in the same processes. Logs go under ``--root`` (default ``runs/``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,15 +28,23 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+import torch.distributed as dist
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
+from lightning_vlmbalance.balance import features_from_packs
+from lightning_vlmbalance.packing import Packs
+
+MODES = ("off", "overlap", "sync", "source")
+COMPARED = ("off", "overlap", "source")
+WARMUP_STEPS = 5  # optimizer steps left out of the median step time
+_RUN_DIR_ENV = "VLMBALANCE_MAIN_JOB_DIR"  # the run folder, handed to the other ranks
 
 
 class VLMDataModule(L.LightningDataModule):
-    """Synthetic (or CSV-shaped) multimodal data, packed by ``PackingSampler``."""
+    """Synthetic (or CSV-shaped) multimodal data, packed by ``PackingSampler`` (balanced at the
+    source when given a cost model as ``balance``)."""
 
     def __init__(
         self,
@@ -39,9 +55,11 @@ class VLMDataModule(L.LightningDataModule):
         vocab_size: int,
         seed: int = 0,
         num_workers: int = 0,
+        balance: vb.CostModel | None = None,
     ) -> None:
         super().__init__()
         self.table, self.seq_len, self.seed, self.num_workers = table, seq_len, seed, num_workers
+        self.balance = balance
         self.dataset = vb.SyntheticVLMDataset(
             table, vocab_size=vocab_size, patch_dim=patch_dim, seed=seed
         )
@@ -51,7 +69,12 @@ class VLMDataModule(L.LightningDataModule):
     def train_dataloader(self) -> vb.PackedDataLoader:
         # rank and world size come from the process group Lightning has initialised
         sampler = vb.PackingSampler(
-            self.table.total_tokens, self.table.image_tokens, seq_len=self.seq_len, seed=self.seed
+            self.table.total_tokens,
+            self.table.image_tokens,
+            images=self.table.images,
+            seq_len=self.seq_len,
+            seed=self.seed,
+            balance=self.balance,
         )
         collate = vb.PackCollator(self.seq_len, image_feature_shape=(self.patch_dim,))
         self.loader = vb.PackedDataLoader(
@@ -66,17 +89,43 @@ class VLMDataModule(L.LightningDataModule):
 
 
 class RunSummary(L.Callback):
-    """Times the fit and counts the tokens every rank computed (known from the shared plan)."""
+    """Times the fit (every optimizer step), counts the tokens every rank computed (known from
+    the shared plan) and records which samples each optimizer step trained."""
 
-    def __init__(self, monitor: vb.StragglerMonitor | None = None) -> None:
+    def __init__(self, monitor: vb.StragglerMonitor | None = None, mode: str = "") -> None:
         self.monitor = monitor
+        self.mode = mode
         self.start = 0.0
         self.summary: dict[str, Any] = {}
+        self.step_ends: list[float] = []
+        self.trained: dict[int, list[int]] = {}  # optimizer step -> this rank's sample ids
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.start = time.perf_counter()
         self.start_step = trainer.global_step
         self.tokens = 0
+        self.step_ends = [self.start]
+        self.losses: list[float] = []
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int
+    ) -> None:
+        # the optimizer step this micro-batch belongs to (global_step counts finished ones)
+        self.trained.setdefault(trainer.global_step, []).extend(batch["meta"]["sample_ids"])
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
+        if trainer.global_step - self.start_step >= len(self.step_ends):  # a step just ended
+            self.step_ends.append(time.perf_counter())
+        loss = trainer.callback_metrics.get("train/loss")  # this pack's mean token loss
+        if loss is not None and not batch["meta"]["padding"]:
+            self.losses.append(float(loss))
+
+    def replan(self, cost_model: vb.CostModel) -> None:
+        """The planned waste of the packs as the sampler placed them, under ``cost_model``."""
+        plan, sampler, accumulate = self.planned
+        self.summary["planned_waste"] = round(plan_waste(plan, sampler, cost_model, accumulate), 4)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loader = trainer.datamodule.loader
@@ -96,68 +145,95 @@ class RunSummary(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         elapsed = time.perf_counter() - self.start
-        plan = trainer.datamodule.loader.sampler.plan()
+        sampler = trainer.datamodule.loader.sampler
+        plan = sampler.plan()
         steps = trainer.global_step - self.start_step
+        step_s = np.diff(self.step_ends)[WARMUP_STEPS:]
         self.summary = {
+            "mode": self.mode,
             "ranks": trainer.world_size,
             "optimizer_steps": steps,
             "seconds": round(elapsed, 2),
-            "steps_per_s": round(steps / elapsed, 3),
+            "steps_per_s": round(1.0 / float(np.median(step_s)), 3) if len(step_s) else 0.0,
+            "steps_per_s_overall": round(steps / elapsed, 3),
             "tokens_per_s": round(self.tokens / elapsed, 1),
             "packing_efficiency": round(plan.efficiency, 4),
             "packs_per_rank": plan.packs_per_rank,
             "padding_packs": plan.padding_packs,
+            "source_balanced": sampler.balanced,
             "final_loss": round(float(trainer.callback_metrics.get("train/loss", float("nan"))), 4),
+            # every mode trains the same samples: the mean over the run compares them
+            "mean_loss": _mean_over_ranks(self.losses),
             "log_dir": trainer.logger.log_dir if trainer.logger else None,
+            "moved_packs": 0,
+            "bytes_exchanged": 0,
         }
+        cost_model = sampler.cost_model or getattr(trainer.strategy, "cost_model", None)
+        self.planned = (plan, sampler, trainer.accumulate_grad_batches)
+        self.replan(cost_model or vb.CostModel())
         loader = getattr(trainer.strategy, "rebalancing_loader", None)
-        if loader is not None and loader.stats:
-            stats = loader.stats
+        if loader is not None:
             self.summary["balance_mode"] = loader.mode
             self.summary["moved_packs"] = loader.moved_packs_total
-            planned = [b for b in stats if "planned_waste_frac" in b]
+            received = torch.tensor([loader.received_bytes_total], dtype=torch.float64)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(received)
+            self.summary["bytes_exchanged"] = int(received.item())
+            planned = [b for b in loader.stats if "planned_waste_frac" in b]
             if planned:  # the planner's prediction, with the cost model in use
                 self.summary["planned_waste_before"] = round(
                     float(np.mean([b["baseline_waste_frac"] for b in planned])), 4
                 )
-                self.summary["planned_waste_after"] = round(
+                self.summary["planned_waste"] = round(
                     float(np.mean([b["planned_waste_frac"] for b in planned])), 4
                 )
-            self.summary["exposed_exchange_ms"] = round(
-                float(np.median([b["exposed_exchange_ms"] for b in stats])), 2
-            )
+            if loader.stats:
+                self.summary["exposed_exchange_ms"] = round(
+                    float(np.median([b["exposed_exchange_ms"] for b in loader.stats])), 2
+                )
         if self.monitor is not None:  # complete on rank 0 after the monitor's last gather
             straggler = self.monitor.summary()
             self.summary["slowest_rank"] = straggler["slowest_rank"]
             self.summary["waste_frac"] = round(straggler["waste_frac"], 4)
-        self._print()
+        # every optimizer step's samples, all ranks together (the same on every rank)
+        trained = [self.trained]
+        if dist.is_available() and dist.is_initialized():
+            trained = [None] * dist.get_world_size()
+            dist.all_gather_object(trained, self.trained)
+        steps_samples: dict[int, list[int]] = {}
+        for part in trained:
+            for step, ids in part.items():
+                steps_samples.setdefault(step, []).extend(ids)
+        self.steps_samples = [sorted(v) for _, v in sorted(steps_samples.items())]
 
-    @rank_zero_only
-    def _print(self) -> None:
-        s = self.summary
-        lines = [
-            f"\nSummary: {s['ranks']} ranks, {s['optimizer_steps']} optimizer steps in"
-            f" {s['seconds']} s = {s['steps_per_s']} steps/s, {s['tokens_per_s']} tokens/s (all"
-            f" ranks), packing efficiency {s['packing_efficiency']:.2%}, final loss"
-            f" {s['final_loss']}."
-        ]
-        if "waste_frac" in s:
-            lines.append(
-                f"Stragglers: slowest rank {s['slowest_rank']}; {s['waste_frac']:.1%} of rank-time"
-                " was spent waiting at synchronisation points."
-            )
-        if "planned_waste_after" in s:
-            lines.append(
-                f"Rebalancing ({s['balance_mode']}): {s['moved_packs']} packs moved; planned"
-                f" waste per global batch {s['planned_waste_before']:.1%} ->"
-                f" {s['planned_waste_after']:.1%} (default cost model); median wait for a"
-                f" rebalanced global batch {s['exposed_exchange_ms']} ms."
-            )
-        elif "balance_mode" in s:
-            lines.append(f"Rebalancing ({s['balance_mode']}): no packs moved.")
-        lines.append(f"TensorBoard logs: {s['log_dir']}  (tensorboard --logdir {s['log_dir']})")
-        print("\n".join(lines))
-        print("SUMMARY_JSON " + json.dumps(s))
+
+def _mean_over_ranks(values: list[float]) -> float:
+    """The mean of every rank's values (every pack's mean loss, all ranks)."""
+    total = torch.tensor([sum(values), len(values)], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+    return round(float(total[0] / total[1]), 4) if total[1] > 0 else float("nan")
+
+
+def plan_waste(plan: Any, sampler: vb.PackingSampler, model: vb.CostModel, G: int) -> float:
+    """Mean over the optimizer steps of ``1 - mean rank cost / slowest rank cost`` of the packs
+    where the sampler placed them, under ``model`` (what ``off`` and ``source`` train)."""
+    packs = [p for rank in plan.rank_packs for p in rank]
+    feats = features_from_packs(
+        Packs.from_lists(packs),
+        sampler.total_tokens,
+        sampler.image_tokens,
+        sampler.images,
+    )
+    cost = model.pack_cost_ms(feats)
+    cost[feats["total_tokens"] == 0] = 0.0
+    cost = cost.reshape(plan.world_size, -1)
+    wastes = []
+    for k in range(0, cost.shape[1], G):
+        per_rank = cost[:, k : k + G].sum(axis=1)
+        if per_rank.max() > 0:
+            wastes.append(1.0 - per_rank.mean() / per_rank.max())
+    return float(np.mean(wastes)) if wastes else 0.0
 
 
 def build_table(args: argparse.Namespace) -> vb.LengthTable:
@@ -182,37 +258,31 @@ def build_table(args: argparse.Namespace) -> vb.LengthTable:
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--num-samples", type=int, default=4000)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--text-share", type=float, default=0.2)
-    p.add_argument(
-        "--tile-tokens", type=int, default=16, help="image tokens per tile (synthetic data)"
-    )
-    p.add_argument(
-        "--data", action="append", help="length CSV(s) in the shared format (repeatable)"
-    )
-    p.add_argument("--length-scale", type=float, default=1.0, help="scale CSV lengths (e.g. 1/16)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--max-steps", type=int, default=-1)
-    p.add_argument("--accumulate", type=int, default=2)
-    p.add_argument("--moe-experts", type=int, default=4)
-    p.add_argument("--num-workers", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--root", default="runs")
-    p.add_argument(
-        "--strategy", default="vlmbalance", choices=("vlmbalance", "ddp"), help="with --devices > 1"
-    )
-    p.add_argument("--balance-mode", default="overlap", choices=("overlap", "sync", "off"))
-    args = p.parse_args(argv)
+def run_dir(root: str) -> Path:
+    """A new folder under ``root/vlm`` for this invocation; the other ranks (re-run by
+    Lightning's launcher with this process's environment) take the same one."""
+    if _RUN_DIR_ENV in os.environ:
+        return Path(os.environ[_RUN_DIR_ENV])
+    base = Path(root) / "vlm"
+    base.mkdir(parents=True, exist_ok=True)
+    k = 0
+    while (base / f"run_{k}").exists():
+        k += 1
+    path = base / f"run_{k}"
+    path.mkdir()
+    os.environ[_RUN_DIR_ENV] = str(path)
+    return path
 
-    torch.set_num_threads(1)  # one core per rank: two ranks must not fight over two cores
+
+def fit_mode(
+    args: argparse.Namespace,
+    table: vb.LengthTable,
+    mode: str,
+    folder: Path,
+    cost_model: vb.CostModel | None,
+) -> RunSummary:
+    """One training run of ``mode`` from the same initial weights and data order."""
     L.seed_everything(args.seed, verbose=False)
-    table = build_table(args)
     data = VLMDataModule(
         table,
         seq_len=args.seq_len,
@@ -220,32 +290,266 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vocab_size=256,
         seed=args.seed,
         num_workers=args.num_workers,
+        balance=(cost_model or vb.CostModel()) if mode == "source" else None,
     )
     model = ToyVLM(
-        max_positions=args.seq_len, moe_experts=args.moe_experts, patch_dim=32, vocab_size=256
+        max_positions=args.seq_len,
+        moe_experts=args.moe_experts,
+        patch_dim=32,
+        vocab_size=256,
+        vision_layers=args.vision_layers,
+        vision_dim=args.vision_dim,
     )
     monitor = vb.StragglerMonitor(log_every_n_steps=10)
-    summary = RunSummary(monitor)
+    summary = RunSummary(monitor, mode)
+    if args.strategy == "vlmbalance" and args.devices > 1:
+        # "source": the strategy sees the balanced loader and moves nothing
+        strategy: Any = vb.VLMBalanceStrategy(
+            mode="off" if mode == "source" else mode, cost_model=cost_model
+        )
+    else:
+        strategy = "ddp" if args.devices > 1 else "auto"
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=(
-            vb.VLMBalanceStrategy(mode=args.balance_mode)
-            if args.strategy == "vlmbalance" and args.devices > 1
-            else "ddp"
-            if args.devices > 1
-            else "auto"
-        ),
+        strategy=strategy,
         max_steps=args.max_steps,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
-        logger=TensorBoardLogger(Path(args.root), name="vlm"),
+        logger=TensorBoardLogger(folder, name="", version=mode),
         log_every_n_steps=5,
         callbacks=[monitor, summary],
         enable_checkpointing=False,
+        enable_progress_bar=not args.no_progress_bar,
     )
     trainer.fit(model, datamodule=data)
-    return summary.summary
+    summary.jsonl_dir = monitor.jsonl_path.parent if monitor.jsonl_path else None
+    return summary
+
+
+def calibrate(jsonl_dir: Path, out: Path) -> tuple[vb.CostModel, str]:
+    """The cost model fitted on rank 0 to the ``off`` run's monitor logs, saved and loaded on
+    every rank (all ranks must plan with the same numbers)."""
+    report = ""
+    if not (dist.is_initialized() and dist.get_rank() > 0):
+        model = vb.CostModel()
+        report = str(model.fit(jsonl_dir))
+        model.save(out)
+    if dist.is_initialized():
+        dist.barrier()
+    return vb.CostModel.load(out), report
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--num-samples", type=int, default=2400)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--text-share", type=float, default=0.7)
+    p.add_argument(
+        "--tile-tokens", type=int, default=16, help="image tokens per tile (synthetic data)"
+    )
+    p.add_argument(
+        "--data", action="append", help="length CSV(s) in the shared format (repeatable)"
+    )
+    p.add_argument("--length-scale", type=float, default=1.0, help="scale CSV lengths (e.g. 1/16)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--accumulate", type=int, default=2)
+    p.add_argument("--moe-experts", type=int, default=4)
+    p.add_argument("--vision-layers", type=int, default=6)
+    p.add_argument("--vision-dim", type=int, default=384, help="0: the decoder's width")
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--root", default="runs")
+    p.add_argument("--no-progress-bar", action="store_true")
+    p.add_argument(
+        "--strategy", default="vlmbalance", choices=("vlmbalance", "ddp"), help="with --devices > 1"
+    )
+    p.add_argument(
+        "--balance-mode",
+        default="compare",
+        choices=("compare", *MODES),
+        help="compare: off, then overlap and source with a cost model fitted on off's logs",
+    )
+    p.add_argument("--cost-model", help="a saved CostModel (JSON) instead of the calibration")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(1)  # one core per rank: two ranks must not fight over two cores
+    table = build_table(args)
+    single = args.strategy != "vlmbalance" or args.devices == 1
+    modes = (
+        ["off"]
+        if single
+        else list(COMPARED if args.balance_mode == "compare" else [args.balance_mode])
+    )
+    folder = run_dir(args.root)
+    cost_model = vb.CostModel.load(args.cost_model) if args.cost_model else None
+    runs: dict[str, RunSummary] = {}
+    fit_report = None
+    for mode in modes:
+        runs[mode] = fit_mode(args, table, mode, folder, cost_model)
+        if mode == "off" and len(modes) > 1 and cost_model is None:
+            cost_model, fit_report = calibrate(runs["off"].jsonl_dir, folder / "cost_model.json")
+            runs["off"].replan(cost_model)  # every mode's planned waste under the same model
+    summary = report(runs, folder, fit_report, args)
+    return summary
+
+
+def report(
+    runs: dict[str, RunSummary], folder: Path, fit_report: str | None, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The comparison (printed by rank 0, returned on every rank)."""
+    off = runs[next(iter(runs))].summary
+    modes: dict[str, dict[str, Any]] = {}
+    for mode, run in runs.items():
+        s = dict(run.summary)
+        s["gain_vs_off"] = round(s["steps_per_s"] / off["steps_per_s"] - 1.0, 4)
+        s["tokens_gain_vs_off"] = round(s["tokens_per_s"] / off["tokens_per_s"] - 1.0, 4)
+        modes[mode] = s
+    samples = {
+        mode: sorted(x for step in run.steps_samples for x in step) for mode, run in runs.items()
+    }
+    first = next(iter(samples.values()))
+    summary: dict[str, Any] = {
+        "ranks": off["ranks"],
+        "log_dir": str(folder),
+        "modes": modes,
+        # the same samples, each as often, in every mode; off and the exchanges: the same
+        # global batch at every optimizer step (only the ranks that compute a pack differ)
+        "same_samples": all(v == first for v in samples.values()),
+        "same_global_batches": all(
+            runs[m].steps_samples == runs[next(iter(runs))].steps_samples
+            for m in runs
+            if m in ("off", "overlap", "sync")
+        ),
+    }
+    if fit_report is not None:
+        summary["cost_model_fit"] = fit_report
+    if len(modes) > 1:
+        best = max((m for m in modes if m != "off"), key=lambda m: modes[m]["steps_per_s"])
+        summary["best_mode"] = best
+        summary["gain_vs_off"] = modes[best]["gain_vs_off"]
+    is_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if is_zero:
+        summary["figure"] = str(plot_modes(runs, folder))
+        _print(summary, args)
+    return summary
+
+
+def print_run(s: dict[str, Any]) -> None:
+    """One run's summary (rank 0), for jobs that train one mode (``examples.hf_vlm``)."""
+    lines = [
+        f"\nSummary: {s['ranks']} ranks, {s['optimizer_steps']} optimizer steps in"
+        f" {s['seconds']} s, {s['steps_per_s']} steps/s (median), {s['tokens_per_s']} tokens/s"
+        f" (all ranks), packing efficiency {s['packing_efficiency']:.2%}, final loss"
+        f" {s['final_loss']}."
+    ]
+    if "waste_frac" in s:
+        lines.append(
+            f"Stragglers: slowest rank {s['slowest_rank']}; {s['waste_frac']:.1%} of rank-time"
+            " was spent waiting at synchronisation points."
+        )
+    if "balance_mode" in s:
+        lines.append(
+            f"Rebalancing ({s['balance_mode']}): {s['moved_packs']} packs moved,"
+            f" {s['bytes_exchanged']:,} bytes; planned waste {s['planned_waste']:.1%}."
+        )
+    lines.append(f"TensorBoard logs: {s['log_dir']}  (tensorboard --logdir {s['log_dir']})")
+    print("\n".join(lines))
+    print("SUMMARY_JSON " + json.dumps(s))
+
+
+def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    modes = summary["modes"]
+    lines = []
+    if "cost_model_fit" in summary:
+        lines.append(
+            "\nCost model fitted on the off run's StragglerMonitor logs:"
+            f" {summary['cost_model_fit']}"
+        )
+    lines.append(
+        f"\nSummary: {summary['ranks']} ranks, accumulation {args.accumulate}, the same"
+        f" {'samples' if summary['same_samples'] else 'SAMPLES DIFFER'} in every mode"
+        " (median step time after the first 5 steps):\n"
+    )
+    head = (
+        "| mode | steps | steps/s | gain vs off | tokens/s | waiting (measured) | planned waste"
+        " | packs moved | bytes exchanged | packing | mean loss |"
+    )
+    lines += [head, "|" + "---|" * 11]
+    for mode, s in modes.items():
+        lines.append(
+            f"| {mode} | {s['optimizer_steps']} | {s['steps_per_s']:.2f} |"
+            f" {s['gain_vs_off']:+.1%} | {s['tokens_per_s']:.0f} ({s['tokens_gain_vs_off']:+.1%}) |"
+            f" {s.get('waste_frac', float('nan')):.1%} | {s['planned_waste']:.1%} |"
+            f" {s['moved_packs']} | {s['bytes_exchanged']:,} | {s['packing_efficiency']:.2%} |"
+            f" {s['mean_loss']} |"
+        )
+    if "best_mode" in summary:
+        best = summary["best_mode"]
+        lines.append(
+            f"\nBest: {best}, {summary['gain_vs_off']:+.1%} optimizer steps/s over off;"
+            f" waiting {modes['off'].get('waste_frac', 0):.1%} ->"
+            f" {modes[best].get('waste_frac', 0):.1%}"
+            " of rank-time."
+        )
+    lines.append(f"Figure (busy and vision time per rank, per mode): {summary['figure']}")
+    lines.append(
+        f"TensorBoard logs: {summary['log_dir']}  (tensorboard --logdir {summary['log_dir']})"
+    )
+    print("\n".join(lines))
+    print("SUMMARY_JSON " + json.dumps(summary))
+
+
+def _busy_ms(record: dict[str, Any]) -> float:
+    """A rank's step less its waits at synchronisation points."""
+    phases = record["phases_ms"]
+    return record["step_ms"] - phases.get("sync_wait", 0.0) - phases.get("lightning_sync", 0.0)
+
+
+def plot_modes(runs: dict[str, RunSummary], folder: Path) -> Path:
+    """One panel per mode on the same axes: every rank's busy time (its step less the waits at
+    synchronisation points: solid) and vision forward time (dashed) per optimizer step, from
+    the StragglerMonitor's JSON lines. Where the solid lines part, the faster rank waits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        1, len(runs), figsize=(4.2 * len(runs), 3.4), sharey=True, squeeze=False
+    )
+    for ax, (mode, run) in zip(axes[0], runs.items()):
+        for path in sorted(Path(run.jsonl_dir).glob("rank_*.jsonl")) if run.jsonl_dir else []:
+            recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+            steps = [r["global_step"] for r in recs]
+            (line,) = ax.plot(
+                steps, [_busy_ms(r) for r in recs], lw=1, label=f"rank {recs[0]['rank']} busy"
+            )
+            ax.plot(
+                steps,
+                [r["phases_ms"].get("vision_fwd", 0.0) for r in recs],
+                lw=1,
+                ls="--",
+                color=line.get_color(),
+                label=f"rank {recs[0]['rank']} vision fwd",
+            )
+        s = run.summary
+        ax.set_title(
+            f"{mode}: {s['steps_per_s']:.2f} steps/s, waiting {s.get('waste_frac', 0):.0%}"
+        )
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("ms")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    out = folder / "modes.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ class ToyVLMConfig:
     dim: int = 64
     heads: int = 4
     vision_layers: int = 1
+    vision_dim: int = 0  # width of the vision encoder (0: ``dim``); its cost grows with it
     llm_layers: int = 2
     max_positions: int = 512
     moe_experts: int = 0  # 0: dense feed-forward in the decoder
@@ -41,6 +42,11 @@ class ToyVLMConfig:
     lr: float = 3e-3
 
     def __post_init__(self) -> None:
+        if (self.vision_dim or self.dim) % self.heads:
+            raise ValueError(
+                f"`ToyVLMConfig(vision_dim={self.vision_dim}, heads={self.heads})`: heads must"
+                " divide vision_dim"
+            )
         if self.dim % self.heads:
             raise ValueError(
                 f"`ToyVLMConfig(dim={self.dim}, heads={self.heads})`: heads must divide dim"
@@ -122,11 +128,12 @@ class VisionEncoder(nn.Module):
 
     def __init__(self, cfg: ToyVLMConfig) -> None:
         super().__init__()
-        self.embed = nn.Linear(cfg.patch_dim, cfg.dim)
+        width = cfg.vision_dim or cfg.dim
+        self.embed = nn.Linear(cfg.patch_dim, width)
         self.blocks = nn.ModuleList(
-            Block(cfg.dim, cfg.heads, causal=False) for _ in range(cfg.vision_layers)
+            Block(width, cfg.heads, causal=False) for _ in range(cfg.vision_layers)
         )
-        self.norm = nn.LayerNorm(cfg.dim)
+        self.norm = nn.LayerNorm(width)
         self.grad_checkpoint = cfg.grad_checkpoint
 
     def forward(
@@ -177,8 +184,9 @@ class ToyVLM(L.LightningModule):
         self.save_hyperparameters()
         self.cfg = ToyVLMConfig(**config)
         self.vision = VisionEncoder(self.cfg)
+        width = self.cfg.vision_dim or self.cfg.dim
         self.projector = nn.Sequential(
-            nn.Linear(self.cfg.dim, self.cfg.dim), nn.GELU(), nn.Linear(self.cfg.dim, self.cfg.dim)
+            nn.Linear(width, self.cfg.dim), nn.GELU(), nn.Linear(self.cfg.dim, self.cfg.dim)
         )
         self.llm = LanguageModel(self.cfg)
 

@@ -210,6 +210,7 @@ class RebalancingLoader:
         self.stats: deque[dict[str, float]] = deque(maxlen=_STATS_KEPT)
         self.global_batches = 0
         self.moved_packs_total = 0
+        self.received_bytes_total = 0  # tensor bytes of the packs this rank received
         self._pass: _Pass | None = None  # the overlapped pass in progress
         self._pass_start: int | None = None  # inner position where this pass started
         self._pass_epoch: Any = None
@@ -343,6 +344,7 @@ class RebalancingLoader:
         self.stats.append(stats)
         self.global_batches += 1
         self.moved_packs_total += int(stats.get("moved_packs", 0))
+        self.received_bytes_total += int(stats.get("received_bytes", 0))
 
     # -- one global batch -------------------------------------------------------------------
 
@@ -402,6 +404,7 @@ class RebalancingLoader:
             for p, event in events.items():  # keyed by the batch object the loop will get
                 self._ready_events[id(received[p])] = event
             stats["exchange_ms"] = (time.perf_counter() - start) * 1e3
+            stats["received_bytes"] = float(sum(_nbytes(pack) for pack in received.values()))
             stats["moved_packs"] = float(plan.moved_packs)
             stats["planned_waste_frac"] = plan.waste_after
             stats["baseline_waste_frac"] = plan.waste_before
@@ -412,3 +415,14 @@ class RebalancingLoader:
             ]
         weigh_step(order, global_loss_tokens=global_tokens, ranks=W, micro_steps=self.micro_steps)
         return order, stats
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a pack (nested dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(v) for v in obj)
+    return 0
