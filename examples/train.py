@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     table = build_table(args)
     single = args.strategy != "vlmbalance" or args.devices == 1
     modes = (
-        ["off"]
+        ["ddp" if args.strategy == "ddp" and args.devices > 1 else "off"]
         if single
         else list(COMPARED if args.balance_mode == "compare" else [args.balance_mode])
     )
@@ -402,19 +402,21 @@ def report(
     runs: dict[str, RunSummary], folder: Path, fit_report: str | None, args: argparse.Namespace
 ) -> dict[str, Any]:
     """The comparison (printed by rank 0, returned on every rank)."""
-    off = runs[next(iter(runs))].summary
+    off = runs["off"].summary if "off" in runs else None  # gains need an off run
     modes: dict[str, dict[str, Any]] = {}
     for mode, run in runs.items():
         s = dict(run.summary)
-        s["gain_vs_off"] = round(s["steps_per_s"] / off["steps_per_s"] - 1.0, 4)
-        s["tokens_gain_vs_off"] = round(s["tokens_per_s"] / off["tokens_per_s"] - 1.0, 4)
+        s["gain_vs_off"] = s["tokens_gain_vs_off"] = None
+        if off is not None:
+            s["gain_vs_off"] = round(s["steps_per_s"] / off["steps_per_s"] - 1.0, 4)
+            s["tokens_gain_vs_off"] = round(s["tokens_per_s"] / off["tokens_per_s"] - 1.0, 4)
         modes[mode] = s
     samples = {
         mode: sorted(x for step in run.steps_samples for x in step) for mode, run in runs.items()
     }
     first = next(iter(samples.values()))
     summary: dict[str, Any] = {
-        "ranks": off["ranks"],
+        "ranks": next(iter(runs.values())).summary["ranks"],
         "log_dir": str(folder),
         "modes": modes,
         # the same samples, each as often, in every mode; off and the exchanges: the same
@@ -428,7 +430,7 @@ def report(
     }
     if fit_report is not None:
         summary["cost_model_fit"] = fit_report
-    if len(modes) > 1:
+    if off is not None and len(modes) > 1:
         best = max((m for m in modes if m != "off"), key=lambda m: modes[m]["steps_per_s"])
         summary["best_mode"] = best
         summary["gain_vs_off"] = modes[best]["gain_vs_off"]
@@ -462,6 +464,10 @@ def print_run(s: dict[str, Any]) -> None:
     print("SUMMARY_JSON " + json.dumps(s))
 
 
+def _pct(gain: float | None) -> str:
+    return "-" if gain is None else f"{gain:+.1%}"
+
+
 def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
     modes = summary["modes"]
     lines = []
@@ -483,7 +489,8 @@ def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
     for mode, s in modes.items():
         lines.append(
             f"| {mode} | {s['optimizer_steps']} | {s['steps_per_s']:.2f} |"
-            f" {s['gain_vs_off']:+.1%} | {s['tokens_per_s']:.0f} ({s['tokens_gain_vs_off']:+.1%}) |"
+            f" {_pct(s['gain_vs_off'])} | {s['tokens_per_s']:.0f}"
+            f" ({_pct(s['tokens_gain_vs_off'])}) |"
             f" {s.get('waste_frac', float('nan')):.1%} | {s['planned_waste']:.1%} |"
             f" {s['moved_packs']} | {s['bytes_exchanged']:,} | {s['packing_efficiency']:.2%} |"
             f" {s['mean_loss']} |"
