@@ -259,3 +259,30 @@ def test_the_next_epoch_is_planned_in_the_background() -> None:
     s.plan()
     assert s.planned_ahead == 1
     assert _digest(copy.deepcopy(s).plan()) == _digest(s.plan())  # the thread does not copy
+
+
+@pytest.mark.parametrize(
+    ("text_share", "packs", "lookahead"), [(0.4, 16, 4096), (0.0, 64, 4096), (0.7, 32, 64)]
+)
+def test_the_compiled_former_makes_the_packs_of_the_plain_python_one(
+    text_share, packs, lookahead
+) -> None:
+    """The heaps, tournament tree and free-room lists of the compiled former give exactly the
+    packs of the plain-Python algorithm (lists, ``heapq``, ``bisect``), batch by batch."""
+    from lightning_vlmbalance.packing.source import SourceBalance, form_balanced_batches
+    from tests.balance.source_reference import form_balanced_batches as reference
+
+    t = vb.synthetic_length_table(4000, text_share=text_share, seed=3)
+    costs, fixed = sample_costs(vb.CostModel(), t.total_tokens, t.image_tokens, t.images)
+    order = np.random.default_rng(1).permutation(len(t.total_tokens))
+    kwargs = dict(
+        packs_per_batch=packs,
+        seq_len=8192,
+        pack_fixed_image_cost=fixed,
+        settings=SourceBalance(lookahead=lookahead),
+    )
+    compiled = form_balanced_batches(order, t.total_tokens, t.image_tokens, costs, **kwargs)
+    plain = reference(order, t.total_tokens, t.image_tokens, costs, **kwargs)
+    assert len(compiled) == len(plain) > 3
+    for ours, theirs in zip(compiled, plain):
+        assert [ours[i].tolist() for i in range(len(ours))] == theirs
