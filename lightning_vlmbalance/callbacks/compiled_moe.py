@@ -26,9 +26,13 @@ class CompiledMoERouting(Callback):
     their forward with the sorted dispatch of :mod:`lightning_vlmbalance.moe`, compiled with
     ``torch.compile``. Numerics are unchanged up to float rounding; parameters, checkpoints and
     the optimizer are untouched. The original forwards come back at teardown, or when fit stops
-    with an exception (Lightning skips ``teardown`` then). MoE-looking modules it cannot prove it
-    computes the same (expert biases, interleaved gate/up, their own gating, ...) are left alone
-    and named, with the reason, in a warning at setup.
+    with an exception (Lightning skips ``teardown`` then). A deep copy of a patched module made
+    during fit (a frozen reference or a teacher copied in the LightningModule's ``setup`` or
+    ``configure_model``, which Lightning calls after this callback's ``setup``) computes with
+    its own weights, and is restored with the original. MoE-looking modules it cannot prove it
+    computes the same (expert biases, interleaved gate/up, their own gating, a subclass that
+    overrides the declared ``forward``, experts whose forward is not transformers' own, ...) are
+    left alone and named, with the reason, in a warning at setup.
 
     Every ``log_every_n_steps`` optimizer steps it logs, per MoE layer, ``moe/<layer>/lb_loss``
     (the Switch-Transformer load-balancing loss of the last micro-batch, from the router's own

@@ -3,14 +3,16 @@
 Two module layouts are recognised:
 
 - **expert list** (the example VLM's ``MoEFeedForward``, which declares
-  ``vlmbalance_moe = {"act": "gelu", "renormalize": True}``): a bias-free ``router``
+  ``vlmbalance_moe = {"act": "gelu", "renormalize": True}`` for its forward; a subclass that
+  overrides ``forward`` must declare it again): a bias-free ``router``
   ``nn.Linear``, a ``topk`` attribute and ``experts``, an ``nn.ModuleList`` of modules with
   ``up`` and ``down`` ``nn.Linear`` layers (GELU between). The experts' weights are stacked
   per forward, a copy of E x (2 x H x F) elements, so that the grouped products see one
   (E, out, in) tensor; the parameters, and so checkpoints and optimizers, stay as they are.
 - **fused experts** (Hugging Face transformers 5 sparse-MoE blocks such as Mixtral and Qwen3-MoE):
   an ``experts`` module with 3-D ``gate_up_proj`` (E, 2F, H) and ``down_proj`` (E, H, F) called as
-  ``experts(hidden, top_k_index, top_k_weights)`` with the default ``act(gate) * up`` gating, no
+  ``experts(hidden, top_k_index, top_k_weights)``, whose forward is transformers' own (not a
+  subclass's, another library's or a model's own), with the default ``act(gate) * up`` gating, no
   biases, no post-expert norm and no expert parallelism (anything else is left alone); the
   block's own router (softmax or sigmoid, top-k, renormalisation) is kept, only the expert
   dispatch and compute are replaced.
@@ -20,11 +22,19 @@ each with the reason.
 
 Both forwards are one function shared by every layer (weights are arguments), so
 ``torch.compile`` builds one graph for all layers instead of one per layer.
+
+A patched module's forward is bound to its :class:`PatchedMoE` record, which ``copy.deepcopy``
+copies along with the module: a copy made after patching (a frozen reference or a teacher)
+computes with its own weights into its own record, and :func:`unpatch_moe_modules` restores
+the copies that are still alive together with the original.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,7 +151,10 @@ def fused_experts_moe(
 
 @dataclass
 class PatchedMoE:
-    """One patched module and its latest router statistics (tensors, never synced here)."""
+    """One patched module and its latest router statistics (tensors, never synced here).
+
+    The module's forward and its router's hook are bound to this record, so a deep copy of the
+    module copies the record with it (see :meth:`__deepcopy__`)."""
 
     name: str
     kind: str  # "expert_list" or "fused_experts"
@@ -152,6 +165,24 @@ class PatchedMoE:
     scores: torch.Tensor | None = None  # router scores (N, E), detached (expert list)
     logits: torch.Tensor | None = None  # router logits (N, E), detached (fused: from the hook)
     handles: list[Any] = field(default_factory=list)
+    # the sorted dispatch (compiled or not), shared by every layer and every copy
+    dispatch_fn: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
+    # the deep copies of the module made while patched (shared by the record and its copies)
+    copies: list[weakref.ref[PatchedMoE]] = field(default_factory=list, repr=False, compare=False)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PatchedMoE:
+        """The record of a deep copy of the patched module (a frozen reference or a teacher
+        copied from a patched model): it points at the copy's module, router and hook handles,
+        so the copy computes with its own weights and records its own statistics (none yet).
+        It is registered with the original, whose :func:`unpatch_moe_modules` restores it."""
+        new = copy.copy(self)  # name, kind, score, dispatch_fn and the shared `copies`
+        memo[id(self)] = new  # before the module: its forward leads back to this record
+        new.module = copy.deepcopy(self.module, memo)
+        new.router = copy.deepcopy(self.router, memo)
+        new.handles = copy.deepcopy(self.handles, memo)  # to the copied router's hook dicts
+        new.counts = new.scores = new.logits = None
+        self.copies.append(weakref.ref(new))
+        return new
 
     def load_balancing_loss(self) -> torch.Tensor | None:
         """From the last forward, with the router's own scoring: for fused experts the scores
@@ -187,9 +218,13 @@ def _expert_list_problems(m: nn.Module) -> list[str]:
     example's ``MoEFeedForward``, or a module that opts in the same way: a class attribute
     ``vlmbalance_moe = {"act": "gelu", "renormalize": True}`` declaring that its forward is
     ``softmax top-k (renormalised) -> down(gelu(up(x)))`` per expert. The duck type alone is
-    not enough: a lookalike with another activation would silently change its outputs."""
+    not enough: a lookalike with another activation would silently change its outputs. The
+    declaration covers the forward of the class that makes it: a subclass inherits it only
+    while it keeps that forward (one that overrides ``forward`` declares it again)."""
     problems = []
-    spec = getattr(type(m), "vlmbalance_moe", None)
+    cls = type(m)
+    declarer = next((c for c in cls.__mro__ if "vlmbalance_moe" in vars(c)), None)
+    spec = vars(declarer)["vlmbalance_moe"] if declarer is not None else None
     if spec is None:
         problems.append(
             f"it does not declare `vlmbalance_moe = {_EXPERT_LIST_SPEC!r}` (what its forward"
@@ -197,6 +232,12 @@ def _expert_list_problems(m: nn.Module) -> list[str]:
         )
     elif spec != _EXPERT_LIST_SPEC:
         problems.append(f"`vlmbalance_moe = {spec!r}` is not {_EXPERT_LIST_SPEC!r}")
+    elif cls.forward is not declarer.forward:
+        problems.append(
+            f"its forward (`{_name_of(cls.forward)}`) is not `{_name_of(declarer.forward)}`,"
+            f" the forward `{declarer.__qualname__}.vlmbalance_moe` describes (a subclass with"
+            " its own forward must declare `vlmbalance_moe` itself)"
+        )
     router = getattr(m, "router", None)
     if not isinstance(router, nn.Linear):
         problems.append("its `router` is not an nn.Linear")
@@ -213,6 +254,21 @@ def _expert_list_problems(m: nn.Module) -> list[str]:
     ):
         problems.append("its experts are not `up` and `down` nn.Linear layers with biases")
     return problems
+
+
+def _name_of(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _transformers_forward(cls: type) -> bool:
+    """Whether the forward that instances of ``cls`` run is transformers' own: defined by a
+    class of a ``transformers.`` module, and not a function from elsewhere assigned to it."""
+    owner = next((c for c in cls.__mro__ if "forward" in vars(c)), None)
+    return (
+        owner is not None
+        and owner.__module__.startswith("transformers.")
+        and str(getattr(owner.forward, "__module__", "")).startswith("transformers.")
+    )
 
 
 def _is_expert_list(m: nn.Module) -> bool:
@@ -246,8 +302,15 @@ def _looks_like_fused_experts(m: nn.Module) -> bool:
 
 
 def _fused_experts_problems(m: nn.Module) -> list[str]:
-    """Why ``m`` (3-D expert weights) is not patched; empty when it is."""
+    """Why ``m`` (3-D expert weights) is not patched; empty when it is. Its forward must be
+    transformers' own: the layout flags checked here describe that forward, and a subclass's,
+    another library's or a model's own may compute anything with the same weights."""
     problems = []
+    if not _transformers_forward(type(m)):
+        problems.append(
+            f"its forward (`{_name_of(type(m).forward)}`) is not a transformers experts forward"
+            " (only those are known to compute `act(gate) * up` per expert)"
+        )
     gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
     if not (
         isinstance(gate_up, torch.Tensor)
@@ -336,72 +399,84 @@ def patch_moe_modules(
         if "forward" in m.__dict__:
             continue  # patched already (or someone else's instance forward)
         if _is_expert_list(m):
-            p = PatchedMoE(name, "expert_list", m)
-            m.forward = _expert_list_forward(p, list_fn)
+            p = PatchedMoE(name, "expert_list", m, dispatch_fn=list_fn)
+            m.forward = types.MethodType(_expert_list_forward, p)
             patched.append(p)
         elif _is_fused_experts(m):
-            p = PatchedMoE(name, "fused_experts", m)
-            m.forward = _fused_forward(p, fused_fn)
+            p = PatchedMoE(name, "fused_experts", m, dispatch_fn=fused_fn)
+            m.forward = types.MethodType(_fused_forward, p)
             parent = _parent(root, name)
             router = getattr(parent, "gate", None) if parent is not None else None
             if isinstance(router, nn.Module):
                 p.router = router
                 p.score = _router_score(router, m, parent)
-                p.handles.append(router.register_forward_hook(_record_router(p)))
+                hook = types.MethodType(_record_router_logits, p)
+                p.handles.append(router.register_forward_hook(hook))
             patched.append(p)
     return patched
 
 
 def unpatch_moe_modules(patched: list[PatchedMoE]) -> None:
-    """Restores the original forwards and removes the router hooks."""
+    """Restores the original forwards and removes the router hooks, of the patched modules and
+    of their deep copies that are still alive."""
     for p in patched:
-        p.module.__dict__.pop("forward", None)
-        for h in p.handles:
-            h.remove()
-        p.handles.clear()
+        for ref in p.copies:
+            c = ref()
+            if c is not None:
+                _unpatch(c)
+        p.copies.clear()
+        _unpatch(p)
 
 
-def _expert_list_forward(p: PatchedMoE, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _unpatch(p: PatchedMoE) -> None:
+    forward = p.module.__dict__.get("forward")
+    if getattr(forward, "__self__", None) is p:  # not a forward someone set since
+        del p.module.__dict__["forward"]
+    for h in p.handles:
+        h.remove()
+    p.handles.clear()
+
+
+def _expert_list_forward(p: PatchedMoE, x_TD: torch.Tensor) -> torch.Tensor:
+    """The forward of a patched expert-list module, bound to its record ``p``."""
     m = p.module
-
-    def forward(x_TD: torch.Tensor) -> torch.Tensor:
-        out, p.counts, p.scores = fn(
-            x_TD,
-            m.router.weight,
-            [e.up.weight for e in m.experts],
-            [e.up.bias for e in m.experts],
-            [e.down.weight for e in m.experts],
-            [e.down.bias for e in m.experts],
-            m.topk,
-        )
-        return out
-
-    return forward
+    out, p.counts, p.scores = p.dispatch_fn(
+        x_TD,
+        m.router.weight,
+        [e.up.weight for e in m.experts],
+        [e.up.bias for e in m.experts],
+        [e.down.weight for e in m.experts],
+        [e.down.bias for e in m.experts],
+        m.topk,
+    )
+    return out
 
 
-def _fused_forward(p: PatchedMoE, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _fused_forward(
+    p: PatchedMoE,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The forward of patched fused experts, bound to their record ``p``."""
     m = p.module
-    act = _fused_act(m)
-    transposed = bool(getattr(m, "is_transposed", False))
-
-    def forward(
-        hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        out, p.counts = fn(
-            hidden_states, top_k_index, top_k_weights, m.gate_up_proj, m.down_proj, act, transposed
-        )
-        return out
-
-    return forward
+    out, p.counts = p.dispatch_fn(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        m.gate_up_proj,
+        m.down_proj,
+        _fused_act(m),
+        bool(getattr(m, "is_transposed", False)),
+    )
+    return out
 
 
-def _record_router(p: PatchedMoE) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        logits = output[0] if isinstance(output, tuple) else output
-        if isinstance(logits, torch.Tensor):
-            p.logits = logits.detach()
-
-    return hook
+def _record_router_logits(p: PatchedMoE, module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook of a fused-experts block's router, bound to the record ``p``."""
+    logits = output[0] if isinstance(output, tuple) else output
+    if isinstance(logits, torch.Tensor):
+        p.logits = logits.detach()
 
 
 def _parent(root: nn.Module, name: str) -> nn.Module | None:

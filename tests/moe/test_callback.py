@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import pytest
 import torch
@@ -153,3 +155,65 @@ def test_model_without_moe_keeps_the_generic_warning() -> None:
     with pytest.warns(UserWarning, match="found no MoE module it knows"):
         cb.setup(cpu_trainer([cb], steps=1), model, "fit")
     assert cb.patched == []
+
+
+class WithFrozenReference(Float64VLM):
+    """The example VLM with a frozen copy of its language model made in ``configure_model``, as
+    DPO makes its reference (Lightning calls it after the callbacks' ``setup``). Each step
+    records how far the reference's MoE outputs are from what its own weights give."""
+
+    def configure_model(self) -> None:
+        if "reference" not in self.__dict__:  # not a submodule: neither trained nor saved
+            self.__dict__["reference"] = copy.deepcopy(self.llm).requires_grad_(False)
+            self.drift: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x = torch.randn(16, _VLM["dim"], dtype=torch.float64)
+        with torch.no_grad():
+            for block in self.reference.blocks:
+                got, own = block.ffn(x), MoEFeedForward.forward(block.ffn, x)
+                self.drift.append(((got - own).abs().max() / own.abs().max()).item())
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_reference_copied_in_configure_model_computes_with_its_own_weights() -> None:
+    """A frozen copy of a patched model must not follow the trained weights: its MoE outputs
+    equal those of its own weights at every step, and after fit neither the model nor the copy
+    is patched."""
+    torch.manual_seed(0)
+    model = WithFrozenReference(**_VLM).double()
+    cb = vb.CompiledMoERouting(compile=False, log_every_n_steps=1)
+    trainer = cpu_trainer([cb], steps=3)
+    trainer.fit(model, packed_loader())
+    assert trainer.global_step == 3 and len(model.drift) == 3 * len(model.llm.blocks)
+    assert max(model.drift) < 1e-12, model.drift
+    for m in (*model.modules(), *model.reference.modules()):
+        assert "forward" not in m.__dict__ and not m._forward_hooks, type(m).__name__
+
+
+class HalvedFeedForward(MoEFeedForward):
+    """A subclass with a forward of its own (it inherits the opt-in, not what it declares)."""
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return 0.5 * super().forward(x_TD)
+
+
+def test_a_subclass_with_its_own_forward_is_named_and_trains_unchanged() -> None:
+    """A subclass that overrides forward must train exactly as without the callback, and the
+    setup warning names it with the reason."""
+    models = []
+    for callbacks in ([], [vb.CompiledMoERouting(compile=False)]):
+        torch.manual_seed(0)
+        model = Float64VLM(**_VLM).double()
+        for block in model.llm.blocks:
+            block.ffn.__class__ = HalvedFeedForward
+        if callbacks:
+            with pytest.warns(UserWarning, match="HalvedFeedForward.forward") as record:
+                cpu_trainer(callbacks, steps=2).fit(model, packed_loader())
+            message = next(str(w.message) for w in record if "leaves" in str(w.message))
+            assert "llm.blocks.0.ffn: its forward" in message
+        else:
+            cpu_trainer(callbacks, steps=2).fit(model, packed_loader())
+        models.append(model)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), name

@@ -357,3 +357,153 @@ def test_sigmoid_router_load_balancing_loss_uses_its_sigmoid_scores() -> None:
     moe(x)
     assert p.score is None and p.load_balancing_loss() is None
     unpatch_moe_modules([p])
+
+
+def test_a_copy_of_a_patched_moe_computes_with_its_own_weights() -> None:
+    """A deep copy of a patched module (a frozen reference or teacher copied after the callback's
+    ``setup``) must compute with its own weights and keep its own statistics, however the
+    original's weights move; unpatching the original must restore the copy too."""
+    torch.manual_seed(0)
+    moe = MoEFeedForward(16, 32, experts=4, topk=2)
+    [record] = patch_moe_modules(moe)
+    frozen = copy.deepcopy(moe).requires_grad_(False)
+    optimizer = torch.optim.SGD(moe.parameters(), lr=1.0)
+    x = torch.randn(12, 16)
+    moe(x).square().sum().backward()
+    optimizer.step()  # the policy moves on, the frozen copy must not follow it
+    with torch.no_grad():
+        moe(x)
+        assert _rel(frozen(x[:5]), MoEFeedForward.forward(frozen, x[:5])) < RTOL
+        assert _rel(moe(x), MoEFeedForward.forward(moe, x)) < RTOL
+    assert int(record.counts.sum()) == 12 * 2  # the copy's 5 tokens went to its own record
+    unpatch_moe_modules([record])
+    for m in (moe, frozen):
+        assert "forward" not in m.__dict__
+        assert m.forward.__func__ is MoEFeedForward.forward
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_copy_of_a_patched_hugging_face_moe_computes_with_its_own_weights(kind) -> None:
+    """The same for Hugging Face fused experts: the copy's experts use its own weights, its
+    routers record into its own statistics, and unpatching the original removes the copy's
+    forwards and router hooks as well."""
+    model = _tiny_hf(kind)
+    unpatched = copy.deepcopy(model)
+    records = patch_moe_modules(model)
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))  # the policy moves on
+    unpatched.load_state_dict(frozen.state_dict())
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        model(ids)
+        assert _rel(frozen(ids[:1]).logits, unpatched(ids[:1]).logits) < RTOL
+    for r in records:
+        assert r.logits.shape[0] == 24 and int(r.counts.sum()) == 24 * 2  # the policy's batch
+    unpatch_moe_modules(records)
+    for m in (*model.modules(), *frozen.modules()):
+        assert "forward" not in m.__dict__ and not m._forward_hooks, type(m).__name__
+
+
+def test_a_subclass_that_overrides_forward_does_not_inherit_the_opt_in() -> None:
+    """``vlmbalance_moe`` declares what one forward computes: a subclass with its own forward is
+    left alone (and named) unless it declares it again; one that keeps the forward is patched."""
+    torch.manual_seed(0)
+
+    class Halved(MoEFeedForward):
+        def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+            return 0.5 * super().forward(x_TD)
+
+    class Renamed(MoEFeedForward):
+        pass
+
+    class Redeclared(Halved):  # its author vouches again, for the forward it runs
+        vlmbalance_moe = {"act": "gelu", "renormalize": True}  # noqa: RUF012
+
+        def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+            return MoEFeedForward.forward(self, x_TD)
+
+    root = torch.nn.ModuleDict(
+        {
+            "halved": Halved(16, 32, experts=4, topk=2),
+            "renamed": Renamed(16, 32, experts=4, topk=2),
+            "redeclared": Redeclared(16, 32, experts=4, topk=2),
+        }
+    )
+    x = torch.randn(10, 16)
+    y_ref = root["halved"](x)
+    skipped = unsupported_moe_modules(root)
+    assert list(skipped) == ["halved"]
+    assert "its forward (`" in skipped["halved"] and "Halved.forward`)" in skipped["halved"]
+    assert (
+        "is not `MoEFeedForward.forward`, the forward `MoEFeedForward.vlmbalance_moe` describes"
+        in skipped["halved"]
+    )
+    assert [p.name for p in patch_moe_modules(root)] == ["renamed", "redeclared"]
+    assert torch.equal(root["halved"](x), y_ref)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_hugging_face_experts_with_their_own_forward_are_left_alone(kind) -> None:
+    """Fused experts are patched only while their forward is transformers' own: a subclass that
+    overrides it is named with the reason, and the model's outputs stay its own."""
+    model = _tiny_hf(kind)
+    base = type(model.model.layers[0].mlp.experts)
+
+    class HalvedExperts(base):
+        def forward(self, *args: torch.Tensor) -> torch.Tensor:
+            return 0.5 * super().forward(*args)
+
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = HalvedExperts
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+    skipped = unsupported_moe_modules(model)
+    assert set(skipped) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    for why in skipped.values():
+        assert "HalvedExperts.forward`) is not a transformers experts forward" in why
+    assert patch_moe_modules(model) == []
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+def test_fused_experts_outside_transformers_are_left_alone() -> None:
+    """3-D ``gate_up_proj`` / ``down_proj`` and a ``config.hidden_act`` are only a shape: a
+    module of its own (not a transformers experts class) may compute anything, and is named."""
+
+    class OwnExperts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = type("Config", (), {"hidden_act": "silu"})()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 16, 8))
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+        def forward(self, hidden, top_k_index, top_k_weights):
+            return hidden  # anything but the experts' product
+
+    skipped = unsupported_moe_modules(torch.nn.ModuleDict({"own": OwnExperts()}))
+    assert list(skipped) == ["own"]
+    assert "OwnExperts.forward`) is not a transformers experts forward" in skipped["own"]
+    assert patch_moe_modules(OwnExperts()) == []
+
+
+def test_a_transformers_experts_forward_replaced_by_another_library_is_left_alone(
+    monkeypatch,
+) -> None:
+    """A function from elsewhere assigned to a transformers experts class (as kernel libraries
+    patch Hugging Face classes) is not transformers' forward: the experts are named and kept."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    own = MixtralExperts.forward
+
+    def halved(self, *args: torch.Tensor) -> torch.Tensor:
+        return 0.5 * own(self, *args)
+
+    monkeypatch.setattr(MixtralExperts, "forward", halved)
+    cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=4)
+    skipped = unsupported_moe_modules(torch.nn.ModuleDict({"experts": MixtralExperts(cfg)}))
+    assert "halved`) is not a transformers experts forward" in skipped["experts"]
+    assert patch_moe_modules(MixtralExperts(cfg)) == []
