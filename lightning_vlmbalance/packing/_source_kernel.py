@@ -167,12 +167,12 @@ def balance_window(
     small_tokens: int,
     seq_s: np.ndarray,
     seq_p: np.ndarray,
-) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[int, np.ndarray, np.ndarray]:
     """Phases 2 and 3 for one window into ``P`` empty packs.
 
-    Returns ``(nseq, left, room, load)``: the fill record ``seq_s[:nseq]`` / ``seq_p[:nseq]``
-    (sample, pack) in order, the samples that did not fit (in the order they were tried), each
-    pack's free room and its cost (samples plus the fixed image cost).
+    Returns ``(nseq, left, room)``: the fill record ``seq_s[:nseq]`` / ``seq_p[:nseq]``
+    (sample, pack) in order, the samples that did not fit (in the order they were tried) and
+    each pack's free room.
     """
     nw = window.shape[0]
     is_small = np.zeros(nw, dtype=np.bool_)
@@ -247,7 +247,7 @@ def balance_window(
         if not placed[i]:
             left[n_left] = small[i]
             n_left += 1
-    return nseq, left[:n_left].copy(), room, load
+    return nseq, left[:n_left].copy(), room
 
 
 @njit(cache=True, nogil=True)
@@ -259,14 +259,26 @@ def _fill_images(
     tokens: np.ndarray,
     image_tokens: np.ndarray,
     cost: np.ndarray,
+    fixed: float,
     room: np.ndarray,
-    load: np.ndarray,
     seq_s: np.ndarray,
     seq_p: np.ndarray,
     nseq: int,
 ) -> tuple[int, int]:
     """Samples with images from the lookahead, longest first, each into the least loaded pack
-    it fits. Returns the new length of the fill record and the tokens taken."""
+    it fits; a pack's load is its samples' cost plus ``fixed`` once it has an image (also when
+    it gains its first image here). Returns the new length of the fill record and the tokens
+    taken."""
+    P = room.shape[0]
+    load = np.zeros(P, dtype=np.float64)  # the packs' costs so far, from the fill record
+    has_image = np.zeros(P, dtype=np.bool_)
+    for i in range(nseq):
+        load[seq_p[i]] += cost[seq_s[i]]
+        if image_tokens[seq_s[i]] > 0:
+            has_image[seq_p[i]] = True
+    for p in range(P):
+        if has_image[p]:
+            load[p] += fixed
     cand = np.empty(end - pos, dtype=np.int64)
     nc = 0
     for i in range(pos, end):
@@ -280,7 +292,7 @@ def _fill_images(
     for i in range(nc):
         s = cand[i]
         best = -1
-        for p in range(room.shape[0]):
+        for p in range(P):
             if room[p] >= tokens[s] and (best < 0 or load[p] < load[best]):
                 best = p
         if best < 0:
@@ -290,6 +302,9 @@ def _fill_images(
         nseq += 1
         room[best] -= tokens[s]
         load[best] += cost[s]
+        if not has_image[best]:
+            has_image[best] = True
+            load[best] += fixed
         taken[s] = True
         took += tokens[s]
     return nseq, took
@@ -389,7 +404,7 @@ def form_epoch(
                     nw += 1
             rest = 0
         # 2-3. balance the big samples, best-fit the small ones
-        nseq, left, room, load = balance_window(
+        nseq, left, room = balance_window(
             window[:nw], tokens, image_tokens, cost, P, T, fixed, small_tokens, seq_s, seq_p
         )
         # 4. fill the gaps from the lookahead (text only, unless fill_images)
@@ -423,8 +438,8 @@ def form_epoch(
                         tokens,
                         image_tokens,
                         cost,
+                        fixed,
                         room,
-                        load,
                         seq_s,
                         seq_p,
                         nseq,

@@ -13,7 +13,8 @@ One global batch is formed from the front of the epoch's shuffled sample stream:
 2. **balance**: the samples with images and the long text samples, by decreasing cost, each into
    the pack of least cost that has room (longest-processing-time first, with capacity);
 3. **fill**: the short text samples, longest first, each into the fullest pack it fits (best fit),
-   then samples from the next ``lookahead`` of the stream that fit a remaining gap;
+   then text samples from the next ``lookahead`` of the stream that fit a remaining gap (and
+   samples with images, with ``fill_with_images``);
 4. what did not fit waits for the next global batch (first in its window);
 5. **place**: the packs' costs go to the rebalancing planner (``plan_rebalance``) with the
    objective, which puts them on ranks and micro-steps.
@@ -61,8 +62,10 @@ class SourceBalance:
         small_tokens: text samples up to this many tokens fill gaps (phase 3) instead of being
             balanced (phase 2).
         lookahead: samples further in the stream that may fill a gap of this global batch.
-        fill_with_images: let samples with images from the lookahead fill gaps too (fuller
-            packs, less even costs).
+        fill_with_images: after the text samples of the lookahead, let its samples with images
+            fill the gaps too, longest first, each into the least loaded pack it fits, where a
+            pack's load counts the fixed image cost once it has an image, also one it gains in
+            this fill (fuller packs, less even costs).
         exact: keep every global batch's samples of the unbalanced plan (the parameters then
             equal the unbalanced run's) and only re-form its packs; where the samples do not
             fit into as many packs, the batch keeps its packs and the planner only places them
@@ -314,7 +317,7 @@ def _exact_batches(
         packs = Packs.from_lists([p for p in packs if len(p)])
         seq_s = np.empty(len(packs.positions), dtype=np.int64)
         seq_p = np.empty(len(packs.positions), dtype=np.int64)
-        nseq, left, _, _ = balance_window(
+        nseq, left, _ = balance_window(
             packs.positions,
             lengths,
             image_tokens,

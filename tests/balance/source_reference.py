@@ -65,6 +65,7 @@ def form_balanced_batches(
                 T,
                 settings.lookahead,
                 cost=cost,
+                fixed=pack_fixed_image_cost,
                 fill_images=settings.fill_with_images,
             )
         if pos >= len(stream) and left:
@@ -185,26 +186,31 @@ def _fill_from_lookahead(
     lookahead: int,
     *,
     cost: np.ndarray,
+    fixed: float,
     fill_images: bool,
 ) -> None:
     """Gaps left in the packs take the best-fitting samples of the next ``lookahead`` of the
-    stream (read earlier than their turn; they are then skipped where they stood)."""
+    stream (read earlier than their turn; they are then skipped where they stood): text first,
+    then, with ``fill_images``, samples with images (whether or not a text sample fitted)."""
     room = [T - sum(int(tokens[s]) for s in p) for p in packs]
-    load = [sum(float(cost[s]) for s in p) for p in packs]
     if not any(room):
         return
     # text only: an image pulled into a gap would add vision cost to one pack
     ahead = [s for s in stream[pos : pos + lookahead] if not taken[s] and image_tokens[s] == 0]
     ahead = [s for s in ahead if tokens[s] <= max(room)]
-    if not ahead:
-        return
     ahead.sort(key=lambda s: -int(tokens[s]))
     misfits = set(_best_fit(packs, room, ahead, tokens))
     for s in ahead:
         if s not in misfits:
             taken[s] = True
     if fill_images and any(r > 0 for r in room):
-        # then samples with images, each into the least loaded pack it fits
+        # then samples with images, each into the least loaded pack it fits; a pack's load is
+        # its samples' cost plus the fixed image cost once it has an image
+        has_image = [any(image_tokens[s] > 0 for s in p) for p in packs]
+        load = [
+            sum(float(cost[s]) for s in p) + (fixed if img else 0.0)
+            for p, img in zip(packs, has_image)
+        ]
         cand = [s for s in stream[pos : pos + lookahead] if not taken[s] and image_tokens[s] > 0]
         cand.sort(key=lambda s: -int(tokens[s]))
         for s in cand:
@@ -216,4 +222,7 @@ def _fill_from_lookahead(
             packs[p].append(s)
             room[p] -= n
             load[p] += float(cost[s])
+            if not has_image[p]:
+                has_image[p] = True
+                load[p] += fixed
             taken[s] = True

@@ -13,7 +13,11 @@ import numpy as np
 import pytest
 
 import lightning_vlmbalance as vb
-from lightning_vlmbalance.packing.source import sample_costs
+from lightning_vlmbalance.packing.source import (
+    SourceBalance,
+    form_balanced_batches,
+    sample_costs,
+)
 from tests.balance.test_strategy import _fit, _job, _max_rel_diff, _result
 from tests.launch import ROOT, run_modules
 
@@ -25,7 +29,9 @@ def fits(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("source_fits")
     jobs = {
         "vlmbalance": ("--strategy", "vlmbalance", *EPOCH, "--balance", "--checkpoint-every", "4"),
-        "ddp": ("--strategy", "ddp", *EPOCH, "--balance"),
+        # plain DDP meets every micro-batch ("auto" would plan for "microstep"): the plan that
+        # "vlmbalance" resolves to, given
+        "ddp": ("--strategy", "ddp", *EPOCH, "--balance", "--balance-objective", "step"),
         "exact": ("--strategy", "vlmbalance", *EPOCH, "--balance-exact"),
         "unbalanced_ddp": ("--strategy", "ddp", *EPOCH),
     }
@@ -262,14 +268,14 @@ def test_the_next_epoch_is_planned_in_the_background() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text_share", "packs", "lookahead"), [(0.4, 16, 4096), (0.0, 64, 4096), (0.7, 32, 64)]
+    ("text_share", "packs", "lookahead", "fill_with_images"),
+    [(0.4, 16, 4096, False), (0.0, 64, 4096, False), (0.7, 32, 64, False), (0.4, 16, 4096, True)],
 )
 def test_the_compiled_former_makes_the_packs_of_the_plain_python_one(
-    text_share, packs, lookahead
+    text_share, packs, lookahead, fill_with_images
 ) -> None:
     """The heaps, tournament tree and free-room lists of the compiled former give exactly the
     packs of the plain-Python algorithm (lists, ``heapq``, ``bisect``), batch by batch."""
-    from lightning_vlmbalance.packing.source import SourceBalance, form_balanced_batches
     from tests.balance.source_reference import form_balanced_batches as reference
 
     t = vb.synthetic_length_table(4000, text_share=text_share, seed=3)
@@ -279,10 +285,80 @@ def test_the_compiled_former_makes_the_packs_of_the_plain_python_one(
         packs_per_batch=packs,
         seq_len=8192,
         pack_fixed_image_cost=fixed,
-        settings=SourceBalance(lookahead=lookahead),
+        settings=SourceBalance(lookahead=lookahead, fill_with_images=fill_with_images),
     )
     compiled = form_balanced_batches(order, t.total_tokens, t.image_tokens, costs, **kwargs)
     plain = reference(order, t.total_tokens, t.image_tokens, costs, **kwargs)
     assert len(compiled) == len(plain) > 3
     for ours, theirs in zip(compiled, plain):
         assert [ours[i].tolist() for i in range(len(ours))] == theirs
+
+
+def _small_case(seed: int, fill_with_images: bool) -> tuple:
+    """A small random epoch for the former: a few packs of a few hundred tokens, samples with
+    and without images, a fixed image cost of up to two packs of tokens, random settings."""
+    rng = np.random.default_rng(seed)
+    T = int(rng.integers(32, 257))
+    n = int(rng.integers(5, 120))
+    tokens = rng.integers(1, T + 1, n)
+    has_image = rng.random(n) < rng.random()
+    image_tokens = np.where(has_image, rng.integers(1, tokens + 1), 0)
+    cost = tokens + image_tokens * 3 * rng.random() + rng.random(n)
+    settings = SourceBalance(
+        slack=float(rng.random() * 0.3),
+        small_tokens=int(rng.integers(0, T)),
+        lookahead=int(rng.integers(0, n + 1)),
+        fill_with_images=fill_with_images,
+    )
+    kwargs = dict(
+        packs_per_batch=int(rng.integers(1, 7)),
+        seq_len=T,
+        pack_fixed_image_cost=float(rng.random() * 2 * T),
+        settings=settings,
+    )
+    return rng.permutation(n), tokens, image_tokens, cost, kwargs
+
+
+@pytest.mark.parametrize("fill_with_images", [False, True])
+def test_the_compiled_former_matches_the_plain_python_one_on_small_random_epochs(
+    fill_with_images,
+) -> None:
+    """On 400 small random epochs (seeded), the compiled former makes exactly the oracle's packs,
+    every sample is in exactly one pack and no pack holds more than ``seq_len`` tokens; with
+    ``fill_with_images`` a pack that gains its first image from the lookahead pays the fixed
+    image cost."""
+    from tests.balance.source_reference import form_balanced_batches as reference
+
+    for seed in range(400):
+        order, tokens, image_tokens, cost, kwargs = _small_case(seed, fill_with_images)
+        compiled = form_balanced_batches(order, tokens, image_tokens, cost, **kwargs)
+        ours = [[p.tolist() for p in batch] for batch in compiled]
+        assert ours == reference(order, tokens, image_tokens, cost, **kwargs), f"seed {seed}"
+        ids = sorted(s for batch in ours for pack in batch for s in pack)
+        assert ids == list(range(len(tokens))), f"seed {seed}"
+        assert all(tokens[pack].sum() <= kwargs["seq_len"] for b in ours for pack in b)
+
+
+def test_images_from_the_lookahead_fill_gaps_and_pay_the_fixed_image_cost() -> None:
+    """With ``fill_with_images``, images from the lookahead fill the gaps though no text sample
+    fits them, each into the pack of least cost, where a pack's cost counts the fixed image cost
+    once it has an image (also when it gains the image in the fill)."""
+    # A (text, 70 tokens, cost 90) and B (image, 70 tokens, cost 60 + 50 fixed) fill two packs of
+    # 100 to 70; the short texts X and Y do not fit the gaps of 30 and wait; C1 and C2 (images,
+    # 15 tokens, cost 10) come from the lookahead: C1 to A's pack (90 < 110, then 150), C2 to B's
+    # (110 < 150). Without the fixed cost on C1, C2 would follow it (100 < 110).
+    tokens = np.array([70, 70, 45, 45, 15, 15])
+    image_tokens = np.array([0, 50, 0, 0, 10, 10])
+    cost = np.array([90.0, 60.0, 45.0, 45.0, 10.0, 10.0])
+    batches = form_balanced_batches(
+        np.arange(6),
+        tokens,
+        image_tokens,
+        cost,
+        packs_per_batch=2,
+        seq_len=100,
+        pack_fixed_image_cost=50.0,
+        settings=SourceBalance(slack=0.0, small_tokens=50, fill_with_images=True),
+    )
+    assert [p.tolist() for p in batches[0]] == [[0, 4], [1, 5]]
+    assert sorted(s for b in batches for p in b for s in p.tolist()) == list(range(6))
