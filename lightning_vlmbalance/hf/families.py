@@ -47,10 +47,11 @@ def _config(model_or_config: Any) -> Any:
     return getattr(model_or_config, "config", model_or_config)
 
 
-def _flat(x: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A processor field of one sample without its leading batch dimension of 1."""
-    t = torch.as_tensor(x) if dtype is None else torch.as_tensor(x, dtype=dtype)
-    return t.reshape(-1) if t.dim() == 2 and t.shape[0] == 1 else t
+def _flat(x: Any, sid: int, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A per-token processor field of one sample, ``(L,)``, without its leading batch dimension
+    of 1; a batch of more rows is refused by name (fused, its rows would be one document)."""
+    t = _strip_batch(x, sid, name, 1)
+    return t if dtype is None else t.to(dtype)
 
 
 def _strip_batch(x: Any, sid: int, name: str, rank: int) -> torch.Tensor:
@@ -141,7 +142,7 @@ class Family:
                 f"sample {sid}: {self.name} item has fields {unknown} that HFPackCollator does not"
                 f" know how to pack (it packs {sorted(known)}); drop them or file an issue"
             )
-        ids = _flat(item["input_ids"], torch.long)
+        ids = _flat(item["input_ids"], sid, "input_ids", torch.long)
         mask = item.get("attention_mask")
         if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
             raise ValueError(
@@ -150,7 +151,7 @@ class Family:
             )
         sample: dict[str, Any] = {"input_ids": ids}
         if item.get("labels") is not None:
-            sample["labels"] = _flat(item["labels"], torch.long)
+            sample["labels"] = _flat(item["labels"], sid, "labels", torch.long)
         is_image = ids == self.image_token_id
         has_pixels = item.get("pixel_values") is not None
         if bool(is_image.any()) != has_pixels:
@@ -167,7 +168,7 @@ class Family:
             n = len(sample.get("image_sizes", []))
             sample["sample_fields"] = {"batch_num_images": torch.tensor([n])}
         if self.layout == "mrope" and positions:
-            sample["token_fields"] = {"mrope_position_ids": self._mrope(item, ids, is_image)}
+            sample["token_fields"] = {"mrope_position_ids": self._mrope(item, ids, is_image, sid)}
         return sample
 
     @property
@@ -225,9 +226,11 @@ class Family:
         # the split only feeds the cost features (image_sq_tokens), never the model
         return _split_evenly(total, n_images, _runs(is_image))
 
-    def _mrope(self, item: Mapping, ids: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
+    def _mrope(
+        self, item: Mapping, ids: torch.Tensor, is_image: torch.Tensor, sid: int
+    ) -> torch.Tensor:
         types_ = item.get("mm_token_type_ids")
-        types_ = is_image.int() if types_ is None else _flat(types_).int()
+        types_ = is_image.int() if types_ is None else _flat(types_, sid, "mm_token_type_ids").int()
         grid = item.get("image_grid_thw")
         grid = None if grid is None else torch.as_tensor(grid).reshape(-1, 3).long()
         pos, _ = _rope_index(self.config)(

@@ -3,7 +3,8 @@
 A *sample* is a dict with
 
 ========================  ===============================================================
-``input_ids``             ``LongTensor[L]``, image tokens included as placeholder ids
+``input_ids``             ``LongTensor[L]`` (or ``[1, L]``), image tokens included as
+                          placeholder ids
 ``labels`` (optional)     ``LongTensor[L]`` aligned with ``input_ids`` (``-100`` = no loss);
                           default: ``input_ids`` with ``-100`` at image tokens
 ``pixel_values``          ``Tensor[I, *feature]``: one row per image token, images concatenated
@@ -22,7 +23,11 @@ A *sample* is a dict with
 
 A sample has images when ``image_sizes`` is not empty; ``pixel_values``, if given, holds one row
 per image token. A model that encodes whole images (or patches of another granularity) leaves
-``pixel_values`` out and carries its pixels in ``image_fields``.
+``pixel_values`` out and carries its pixels in ``image_fields``; the samples of one pack carry
+their images the same way. A sample is refused, by its index, when its placeholders would be
+trained as text or its images have no pixels: ``image_positions`` without ``image_sizes``,
+``image_sizes`` with neither ``pixel_values`` nor ``image_fields``, an empty ``pixel_values`` with
+``image_sizes``, or ``input_ids`` of more than one row.
 
 A ``PackedBatch`` is a plain dict (Lightning moves its tensors to the device):
 
@@ -198,11 +203,8 @@ class PackCollator:
         """``(total_tokens, image_tokens)`` of sample ``sid`` as this collator counts them (what
         the sampler's length table must say); raises ``ValueError`` naming a malformed sample."""
         check_sample(sample, sid)
-        n = len(sample["input_ids"])
-        pix = sample.get("pixel_values")
-        if pix is not None:
-            return n, len(pix)
-        return n, int(sum(torch.as_tensor(sample.get("image_sizes", [])).reshape(-1).tolist()))
+        n = _row(sample["input_ids"], sid, "input_ids").numel()
+        return n, sum(_image_fields(sample, sid, n)[1])
 
     def _lay_out(self, pack_id: int, sample_ids: list[int], samples: list[dict]) -> _Layout:
         """Places the samples one after another in ``seq_len`` tokens, the tail as padding."""
@@ -218,6 +220,8 @@ class PackCollator:
         image_fields: dict[str, list[torch.Tensor]] = {}
         sample_fields: dict[str, list[torch.Tensor]] = {}
         offset = 0
+        without_rows: list[int] = []  # samples whose images are in image_fields only
+        with_rows: list[int] = []
         for sid, sample in zip(sample_ids, samples):
             read = self._read_sample(sample, sid)
             ids, lab, pos, sizes, pix = read[:5]
@@ -232,6 +236,7 @@ class PackCollator:
                 lab[pos] = IGNORE_INDEX
                 if pix is not None:
                     pixels.append(pix)
+                (without_rows if pix is None else with_rows).append(sid)
                 image_sizes.extend(sizes)
                 image_positions.append(pos + offset)
             for name, value in read.token_fields.items():
@@ -249,6 +254,12 @@ class PackCollator:
             position_ids[offset : offset + n] = torch.arange(n)
             doc_lens.append(n)
             offset += n
+        if with_rows and without_rows:
+            raise ValueError(
+                f"pack {pack_id}: sample(s) {without_rows} have images without 'pixel_values' rows"
+                f" (in 'image_fields') and sample(s) {with_rows} have pixel rows; the pack's"
+                " pixel_values would miss images: give every sample's images the same way"
+            )
         if offset < T:
             position_ids[offset:] = torch.arange(T - offset)
         return _Layout(
@@ -268,11 +279,10 @@ class PackCollator:
         """Checks sample ``sid`` and reads its tokens, labels (a copy) and image fields."""
         T = self.seq_len
         check_sample(sample, sid)
-        ids = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
+        ids = _row(sample["input_ids"], sid, "input_ids")
         lab = sample.get("labels")
         # a copy: the sample's own tensors are never modified
-        lab = ids if lab is None else torch.as_tensor(lab, dtype=torch.long).reshape(-1)
-        lab = lab.clone()
+        lab = (ids if lab is None else _row(lab, sid, "labels")).clone()
         if lab.shape != ids.shape:
             raise ValueError(
                 f"sample {sid}: labels have {lab.numel()} tokens, input_ids {ids.numel()}"
@@ -313,7 +323,9 @@ class PackCollator:
 
 def check_sample(sample: Any, sid: int) -> None:
     """Raises ``ValueError`` naming sample ``sid`` if it is not a dict with the fields a pack
-    needs: ``input_ids``, and with images ``image_positions`` and ``image_sizes``."""
+    needs: ``input_ids`` (and ``labels``) of one row, and with images ``image_positions``,
+    ``image_sizes`` and their pixels (``pixel_values`` rows or ``image_fields``); image positions
+    without images are refused too (their placeholder tokens would be trained as text)."""
     if not isinstance(sample, Mapping):
         raise ValueError(
             f"sample {sid} is a {type(sample).__name__}; a dataset item must be a dict with"
@@ -321,14 +333,39 @@ def check_sample(sample: Any, sid: int) -> None:
             " 'image_positions'; see lightning_vlmbalance.packing.collate)"
         )
     missing = [] if "input_ids" in sample else ["input_ids"]
-    pix = sample.get("pixel_values")
-    if (pix is not None and len(pix)) or _has(sample.get("image_sizes")):
+    pix, sizes = sample.get("pixel_values"), sample.get("image_sizes")
+    has_images = _has(pix) or _has(sizes)
+    if has_images:
         missing += [k for k in ("image_sizes", "image_positions") if k not in sample]
     if missing:
         raise ValueError(
             f"sample {sid} has no {', '.join(repr(k) for k in missing)} (it has"
             f" {sorted(map(str, sample))}); a sample with 'pixel_values' also needs"
             " 'image_sizes' and 'image_positions' (see lightning_vlmbalance.packing.collate)"
+        )
+    _row(sample["input_ids"], sid, "input_ids")
+    if sample.get("labels") is not None:
+        _row(sample["labels"], sid, "labels")
+    positions = sample.get("image_positions")
+    if not has_images and positions is not None and torch.as_tensor(positions).numel():
+        raise ValueError(
+            f"sample {sid} has {torch.as_tensor(positions).numel()} 'image_positions' but no"
+            " images (no 'image_sizes'): its image tokens would be trained as text; give"
+            " 'image_sizes' and the pixels, or drop 'image_positions'"
+        )
+    if not _has(sizes):
+        return
+    sizes = torch.as_tensor(sizes).reshape(-1).tolist()
+    if pix is not None and not len(pix):
+        raise ValueError(
+            f"sample {sid}: 'pixel_values' has 0 rows but 'image_sizes' {sizes} lay out"
+            f" {sum(sizes)} image tokens; give one row per image token, or leave"
+            " 'pixel_values' out and carry the images in 'image_fields'"
+        )
+    if pix is None and not sample.get("image_fields"):
+        raise ValueError(
+            f"sample {sid} has 'image_sizes' {sizes} but no pixels: give 'pixel_values' (one row"
+            " per image token) or the images in 'image_fields'"
         )
 
 
@@ -343,6 +380,21 @@ def _unpack_items(items: Sequence[Any]) -> tuple[int, list[int], list[dict]]:
 
 def _has(value: Any) -> bool:
     return value is not None and len(value) > 0
+
+
+def _row(value: Any, sid: int, name: str) -> torch.Tensor:
+    """A per-token field of one sample as ``LongTensor[L]``, without a leading batch dimension of
+    1; more rows are refused (fused, they would be one document)."""
+    t = torch.as_tensor(value, dtype=torch.long)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        batch = f", a batch of {t.shape[0]}" if t.dim() == 2 else ""
+        raise ValueError(
+            f"sample {sid}: {name} has shape {tuple(t.shape)}{batch}; a sample is one row of"
+            " tokens (process samples one at a time)"
+        )
+    return t
 
 
 def _image_fields(

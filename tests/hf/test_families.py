@@ -275,6 +275,41 @@ def test_bad_item_is_refused_naming_the_sample(spoil, match):
         vbhf.item_lengths([ds[0], ds[2], ds[3], bad], cfg)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision", "idefics3"])
+@pytest.mark.parametrize("index", [3, 1], ids=["text", "image"])
+def test_processor_batch_of_two_is_refused_naming_the_sample(family, index):
+    """A dataset item is one sample: a processor output of two rows is refused, naming the item
+    and the field, by the collator and by the length table. It used to be fused into one
+    document (row 2's first token trained as predicted from row 1, 280 tokens counted for two
+    140-token rows), or to fail inside Qwen's rope index with "unhashable type: 'list'"."""
+    cfg = _reference(family).config
+    ds = _dataset(family)
+    one = ds[index]
+    assert _has_image(one) == (index == 1)
+    # what the processor returns for the same sample twice: every field holds both
+    two = {k: torch.cat([v, v]) for k, v in one.items()}
+    shape = rf"\(2, {_length(one)}\)"
+    match = r"sample {sid}: input_ids has shape " + shape + ", a batch of 2"
+    collate = vbhf.HFPackCollator(cfg, seq_len=1024)
+    with pytest.raises(ValueError, match=match.format(sid=1)):
+        collate([ds[0], two])
+    with pytest.raises(ValueError, match=match.format(sid=6)):
+        collate([PackItem(0, 2, ds[2]), PackItem(0, 6, two)])
+    with pytest.raises(ValueError, match=match.format(sid=2)):
+        vbhf.item_lengths([ds[0], ds[3], two], cfg)
+    with pytest.raises(ValueError, match=match.format(sid=4)):
+        collate.sample_lengths(two, 4)
+    # labels of two rows under input_ids of one are refused by name too
+    bad_labels = {**one, "labels": two["input_ids"]}
+    with pytest.raises(ValueError, match=r"sample 0: labels has shape " + shape + ", a batch of 2"):
+        collate([bad_labels])
+    # one row, with or without the processor's batch dimension of 1, is one document
+    flat = {"input_ids": one["input_ids"][0]} if index == 3 else one
+    for item in (one, flat):
+        batch = collate([item, ds[0]])
+        assert batch["meta"]["doc_lens"] == [_length(one), _length(ds[0])]
+
+
 # -- 5. PackItem packs and padding packs -----------------------------------------------------------
 
 
