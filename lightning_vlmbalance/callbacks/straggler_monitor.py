@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import features_from_meta
 from lightning_vlmbalance.timing import (
     PHASES,
+    SERIES,
     ResolvedStep,
     StepTimer,
     custom_scalars_layout,
@@ -30,6 +31,7 @@ from lightning_vlmbalance.timing import (
     timed_comm_hook,
     window_row,
 )
+from lightning_vlmbalance.timing.timer import HOST
 
 __all__ = ["StragglerMonitor"]
 
@@ -71,6 +73,21 @@ class StragglerMonitor(Callback):
     Every rank also appends its raw per-step times to ``<log_dir>/straggler/rank_<r>.jsonl``
     (schema in ``docs/straggler_monitor.md``), the input of cost-model calibration.
 
+    Validation or a checkpoint save between two micro-batches of an optimizer step is not
+    training: it is left out of the step (``outside_step_ms`` in the JSON lines), and the other
+    ranks' wait for it is ``between_steps_ms``, not ``lightning_sync``.
+
+    Checkpoints and resuming: every checkpoint saved during ``fit`` holds the whole-run totals of
+    every step timed up to it (each save gathers the steps since the last log point, a small
+    all-gather that every rank reaches inside ``Trainer.save_checkpoint``, which Lightning
+    requires on every rank; on CUDA it first synchronises the device once). A checkpoint saved
+    after an exception (``trainer.interrupted``) gathers nothing and holds the totals of the
+    last gather. When training starts, each rank drops the records of its JSON-lines
+    file past the starting ``global_step`` (after a resume, the steps that are trained again), so
+    a file holds each optimizer step once. A resume that writes a new folder (a new logger
+    version) starts it at the checkpoint's step + 1; the previous folder keeps its records,
+    including the steps after the checkpoint: calibrate on one folder.
+
     Args:
         log_every_n_steps: optimizer steps between gathers (and log points).
         vision_module: the vision submodule (an ``nn.Module`` or a dotted name); ``None`` looks
@@ -109,10 +126,12 @@ class StragglerMonitor(Callback):
         self._handles: list[Any] = []
         self._seam_trainer: L.Trainer | None = None
         self._restore_hook: tuple[DDPStrategy, Any] | None = None
-        self._window: list[ResolvedStep] = []
+        self._window: list[ResolvedStep] = []  # resolved steps not gathered yet
+        self._unlogged: np.ndarray = np.zeros((0, len(SERIES) + 1))  # gathered, not logged
         self._last_step = 0
         self._failed = False
-        # over the whole run, per rank (known on rank 0 after each gather; checkpointed)
+        self._fitting = False  # from on_train_start to the end of fit: checkpoints gather
+        # over the whole run, per rank (the same on every rank after each gather; checkpointed)
         self.total_step_ms: np.ndarray = np.zeros(0)
         self.total_wait_ms: np.ndarray = np.zeros(0)
         self.steps_timed = 0
@@ -153,8 +172,7 @@ class StragglerMonitor(Callback):
             log_dir = trainer.log_dir  # a broadcast from rank 0: every rank calls it here
             directory = Path(log_dir or trainer.default_root_dir) / "straggler"
         directory.mkdir(parents=True, exist_ok=True)
-        self.jsonl_path = directory / f"rank_{trainer.global_rank}.jsonl"
-        self._file = open(self.jsonl_path, "a")
+        self.jsonl_path = directory / f"rank_{trainer.global_rank}.jsonl"  # opened at train start
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
@@ -180,13 +198,14 @@ class StragglerMonitor(Callback):
         timer = self.timer
 
         def timed_sync_point(sync: Any) -> None:
-            if not timer.step_open:
-                # the step's first sync point: it waits for whatever ranks did between steps
-                t0 = time.perf_counter()
+            if timer.sync_point_is_between():
+                # the step's first sync point, or the first after a pause inside the step: it
+                # waits for whatever the ranks did outside training (validation, a save)
+                t0 = HOST.mark()
                 try:
                     sync()
                 finally:
-                    timer.between_steps((time.perf_counter() - t0) * 1e3)
+                    timer.between_steps(HOST.elapsed_ms(t0, HOST.mark()))
                 return
             timer.start("lightning_sync", host=True)
             try:
@@ -195,7 +214,12 @@ class StragglerMonitor(Callback):
                 timer.stop("lightning_sync")
 
         loop = seam.loop_seam(trainer)
-        loop.on_fetch(self, lambda: timer.start("data", host=True), lambda: timer.stop("data"))
+
+        def before_fetch() -> None:
+            timer.resume()  # training goes on (one rank: there is no sync point)
+            timer.start("data", host=True)
+
+        loop.on_fetch(self, before_fetch, lambda: timer.stop("data"))
         loop.wrap_sync_point(self, timed_sync_point)
         self._seam_trainer = trainer
 
@@ -229,6 +253,9 @@ class StragglerMonitor(Callback):
                 )
             self.total_step_ms, self.total_wait_ms = np.zeros(world), np.zeros(world)
             self.steps_timed = 0
+        self._unlogged = np.zeros((world, len(SERIES) + 1))
+        self._file = _open_jsonl(self.jsonl_path, trainer.global_step)
+        self._fitting = True
 
     # -- per micro-batch -----------------------------------------------------------------------
     @override
@@ -276,6 +303,11 @@ class StragglerMonitor(Callback):
             self._gather_and_log(trainer)
 
     @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._fitting:  # inside an optimizer step (a val_check_interval mid-accumulation)
+            self.timer.pause()  # resumed when training goes on
+
+    @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.timer.discard_step()  # nothing is left open between epochs
 
@@ -294,6 +326,7 @@ class StragglerMonitor(Callback):
         # Lightning does not call teardown after an exception: undo everything here, and keep
         # the JSON lines written so far (the steps before a crash are the ones worth reading)
         self._failed = True
+        self._fitting = False
         if self._file is not None:
             self._collect(trainer)
         self._window.clear()
@@ -305,6 +338,7 @@ class StragglerMonitor(Callback):
         self._cleanup()
 
     def _cleanup(self) -> None:
+        self._fitting = False
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -335,7 +369,10 @@ class StragglerMonitor(Callback):
             self._file.write(json.dumps(step.to_json(trainer.global_rank, trainer.world_size)))
             self._file.write("\n")
 
-    def _gather_and_log(self, trainer: L.Trainer) -> None:
+    def _gather(self, trainer: L.Trainer) -> None:
+        """Adds every rank's steps since the last gather to the totals (on every rank). A
+        collective: every rank calls it at the same point (a log point, a checkpoint save, the
+        end of training)."""
         self._collect(trainer)
         self._file.flush()
         row = torch.tensor(window_row(self._window), dtype=torch.float64)
@@ -343,19 +380,24 @@ class StragglerMonitor(Callback):
         # one small all-gather through the strategy (the only collective the monitor adds)
         gathered = trainer.strategy.all_gather(row.to(trainer.strategy.root_device))
         table = gathered.reshape(-1, row.numel()).cpu().numpy()  # (R, 1 + len(SERIES))
-        counts = table[:, 0]
-        self.steps_timed += int(counts.min())
+        self.steps_timed += int(table[:, 0].min())
         self.total_step_ms += table[:, -1]
         self.total_wait_ms += table[:, 1 + PHASES.index("sync_wait")]
         self.total_wait_ms += table[:, 1 + PHASES.index("lightning_sync")]
-        if not trainer.is_global_zero or counts.min() == 0:
+        self._unlogged = self._unlogged + table
+
+    def _gather_and_log(self, trainer: L.Trainer) -> None:
+        self._gather(trainer)
+        table, self._unlogged = self._unlogged, np.zeros_like(self._unlogged)
+        if not trainer.is_global_zero or table[:, 0].min() == 0:
             return
-        metrics = per_rank_metrics(table)
+        metrics = per_rank_metrics(table)  # means since the last log point
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
     def summary(self) -> dict[str, Any]:
-        """Whole-run totals (as of the last gather; complete on rank 0 after ``fit``)."""
+        """Whole-run totals, the same on every rank (as of the last gather: a log point, a
+        checkpoint save; complete after ``fit``)."""
         if not len(self.total_step_ms):
             return {"steps_timed": 0, "waste_frac": 0.0, "slowest_rank": 0,
                     "busy_ms_per_rank": [], "wait_ms_per_rank": []}  # fmt: skip
@@ -370,6 +412,26 @@ class StragglerMonitor(Callback):
 
     # -- checkpointing ---------------------------------------------------------------------------
     @override
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self.timer.pause()  # a save between two micro-batches is not training time
+        if not self._fitting or self._file is None:
+            return  # after fit (the totals are complete) or outside it: no collective
+        if trainer.interrupted or "callbacks" not in checkpoint:
+            # after an exception other ranks may never save (OnExceptionCheckpoint): no
+            # collective, the totals are those of the last gather; weights only: no state
+            self._file.flush()
+            return
+        # Lightning calls `state_dict` before this hook, with the totals of the last gather.
+        # Every rank saves (`Trainer.save_checkpoint` ends in a barrier), and reaches this hook
+        # at the same point of its `dump_checkpoint`: gather the steps since the last gather
+        if self.timer.device.device:
+            torch.cuda.synchronize()  # resolve every step up to here (a save syncs anyway)
+        self._gather(trainer)
+        checkpoint["callbacks"][self.state_key] = self.state_dict()
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "total_step_ms": self.total_step_ms.tolist(),
@@ -382,6 +444,38 @@ class StragglerMonitor(Callback):
         self.total_step_ms = np.asarray(state_dict["total_step_ms"], dtype=np.float64)
         self.total_wait_ms = np.asarray(state_dict["total_wait_ms"], dtype=np.float64)
         self.steps_timed = int(state_dict["steps_timed"])
+
+
+def _open_jsonl(path: Path, start_step: int) -> Any:
+    """Opens a rank's JSON-lines file for appending, first dropping its records past
+    ``start_step`` (after a resume, the steps that are trained again) and any line cut short by
+    a crash, so that the file holds each optimizer step once."""
+    if path.exists():
+        kept, dropped = [], 0
+        with open(path) as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                try:
+                    step = int(json.loads(line)["global_step"])
+                except (ValueError, KeyError, TypeError):
+                    step = None  # not a whole record
+                if step is not None and step <= start_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        if dropped:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
+            log.warning(
+                "StragglerMonitor: dropped %d records past global_step %d from %s (training"
+                " starts at that step: each step is written once)",
+                dropped,
+                start_step,
+                path,
+            )
+    return open(path, "a")
 
 
 def _resolve_module(

@@ -21,9 +21,16 @@ Phases (milliseconds per optimizer step, summed over its micro-batches):
                     every micro-batch of the step but the first. The first broadcast follows the
                     previous step's all-reduce, so what it waits for happened between steps
                     (validation, a checkpoint save): it is reported as ``between_steps_ms``
-                    and never counted as waiting.
-``step``            the whole optimizer step, first micro-batch to optimizer end (host)
+                    and never counted as waiting. So is the first broadcast after a pause.
+``step``            the whole optimizer step, first micro-batch to optimizer end (host), less
+                    its pauses
 ==================  ==========================================================================
+
+Work outside training can also land *inside* a step, between two of its micro-batches
+(validation at a ``val_check_interval`` that is not a multiple of the accumulation, a checkpoint
+save): :meth:`StepTimer.pause` stops the step's clock from the end of its last micro-batch,
+:meth:`StepTimer.resume` restarts it when training goes on. The paused time is
+``outside_step_ms``, in no phase and not in ``step``.
 """
 
 from __future__ import annotations
@@ -112,6 +119,7 @@ class _Step:
     global_step: int = 0
     epoch: int = 0
     between_ms: float = 0.0
+    outside_ms: float = 0.0  # paused: validation or a checkpoint save between micro-batches
 
 
 @dataclass(slots=True)
@@ -123,7 +131,8 @@ class ResolvedStep:
     step_ms: float
     phases_ms: dict[str, float]
     micro: list[dict[str, Any]]  # per micro-batch: features and phase milliseconds
-    between_steps_ms: float = 0.0  # before the step: its first broadcast, after validation etc.
+    between_steps_ms: float = 0.0  # waits for others' work outside training (first broadcast...)
+    outside_step_ms: float = 0.0  # this rank's own work outside training inside the step
 
     def to_json(self, rank: int, world_size: int) -> dict[str, Any]:
         return {
@@ -135,6 +144,7 @@ class ResolvedStep:
             "micro_batches": len(self.micro),
             "step_ms": round(self.step_ms, 4),
             "between_steps_ms": round(self.between_steps_ms, 4),
+            "outside_step_ms": round(self.outside_step_ms, 4),
             "phases_ms": {k: round(v, 4) for k, v in self.phases_ms.items()},
             "micro": self.micro,
         }
@@ -155,6 +165,9 @@ class StepTimer:
         self._pending: deque[_Step] = deque()
         self._sync_entry: Any = None
         self._between_ms = 0.0
+        self._micro_end: float | None = None  # host mark at the end of the step's last micro
+        self._paused_at: float | None = None
+        self._after_pause = False  # the next sync point waits for work outside training
         self.enabled = True  # switch only between optimizer steps
 
     # -- micro-batch and step boundaries -------------------------------------------------
@@ -173,6 +186,7 @@ class StepTimer:
         self._current().features.update(features)
 
     def end_micro(self) -> None:
+        self.resume()
         # a phase still open (say an optimizer step that a GradScaler skipped) ends here, so
         # one unfinished interval never blocks the steps after it
         for interval in self._open.values():
@@ -180,10 +194,11 @@ class StepTimer:
         self._micro = None
         self._open.clear()
         self._sync_entry = None
+        self._micro_end = HOST.mark() if self._step is not None else None
 
     def end_step(self, global_step: int, epoch: int) -> None:
         """Closes the optimizer step; it is resolved once all its device events have completed."""
-        self.end_micro()
+        self.end_micro()  # resumes a paused step first
         if not self.enabled:
             self._step = None
             return
@@ -193,12 +208,42 @@ class StepTimer:
         self._step.global_step, self._step.epoch = global_step, epoch
         self._step.between_ms, self._between_ms = self._between_ms, 0.0
         self._pending.append(self._step)
-        self._step = None
+        self._step, self._micro_end, self._after_pause = None, None, False
 
     def discard_step(self) -> None:
         """Drops a step that did not finish (an exception or an interrupted epoch)."""
         self._step, self._micro = None, None
         self._open.clear()
+        self._micro_end, self._paused_at, self._after_pause = None, None, False
+
+    def pause(self) -> None:
+        """Stops the open step's clock: work outside training (validation, a checkpoint save)
+        runs until :meth:`resume`. Between two micro-batches the pause starts at the end of the
+        last one (so whatever ran since, say the validation loader's set-up, is excluded too);
+        outside a step, or paused already, it does nothing."""
+        if self._step is None or self._paused_at is not None:
+            return
+        between_micro = self._micro is None and self._micro_end is not None
+        self._paused_at = self._micro_end if between_micro else HOST.mark()
+
+    def resume(self) -> bool:
+        """Restarts a paused step's clock (training goes on); returns whether it was paused.
+        The paused time becomes the step's ``outside_step_ms``."""
+        if self._paused_at is None:
+            return False
+        if self._step is not None:
+            self._step.outside_ms += HOST.elapsed_ms(self._paused_at, HOST.mark())
+        self._paused_at, self._after_pause = None, True
+        return True
+
+    def sync_point_is_between(self) -> bool:
+        """Called as a sync point starts: whether its wait is for work outside training (before
+        a step's first micro-batch, or the first one after a pause), reported through
+        :meth:`between_steps` and never counted as waiting. Resumes a paused step."""
+        self.resume()
+        between = self._step is None or self._after_pause
+        self._after_pause = False
+        return between
 
     @property
     def step_open(self) -> bool:
@@ -206,7 +251,8 @@ class StepTimer:
         return self._step is not None
 
     def between_steps(self, ms: float) -> None:
-        """Records time spent before the next step starts (reported, never counted as waiting)."""
+        """Records a wait for work outside training (before the next step starts, or after a
+        pause inside it): reported as ``between_steps_ms``, never counted as waiting."""
         if self.enabled:
             self._between_ms += ms
 
@@ -273,8 +319,9 @@ def _resolve(step: _Step) -> ResolvedStep:
     return ResolvedStep(
         global_step=step.global_step,
         epoch=step.epoch,
-        step_ms=HOST.elapsed_ms(step.start, step.end),
+        step_ms=HOST.elapsed_ms(step.start, step.end) - step.outside_ms,
         phases_ms=phases,
         micro=micro_out,
         between_steps_ms=step.between_ms,
+        outside_step_ms=step.outside_ms,
     )

@@ -3,6 +3,10 @@
     python -m tests.callbacks.straggler_job --out DIR --delay-ms 40 --accumulate 4
 
 Run as a subprocess (Lightning's DDP launcher re-executes it). Logs go to DIR/tb.
+``--checkpoint-every N`` saves ``DIR/ckpt/step=<k>.ckpt`` every N optimizer steps;
+``--then-resume-from K`` then fits again in the same processes, as a restarted job would: a new
+Trainer, model and monitor resumed from ``step=K.ckpt`` up to ``--max-steps``, writing the same
+JSON-lines folder (``--jsonl-dir``), its summary in ``DIR/summary_resumed.json``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -60,6 +65,10 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--resume")
     p.add_argument("--val-sleep-ms", type=float, default=0.0, help="rank 1 sleeps per val batch")
+    p.add_argument("--val-every", type=int, default=0, help="micro-batches between validations")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps")
+    p.add_argument("--then-resume-from", type=int, default=0, help="a checkpoint's step")
+    p.add_argument("--jsonl-dir")
     p.add_argument("--user-hook", action="store_true", help="DDPStrategy(ddp_comm_hook=...)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -67,14 +76,37 @@ def main() -> None:
     table = vb.synthetic_length_table(
         600, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
     )
-    monitor = vb.StragglerMonitor(log_every_n_steps=args.log_every)
+    _fit(args, table, resume=args.resume)
+    if args.then_resume_from:
+        ckpt = Path(args.out) / "ckpt" / f"step={args.then_resume_from}.ckpt"
+        _fit(args, table, resume=ckpt, summary="summary_resumed.json", version=1)
+
+
+def _fit(
+    args: argparse.Namespace,
+    table: vb.LengthTable,
+    resume: str | Path | None,
+    summary: str = "summary.json",
+    version: int = 0,
+) -> None:
+    monitor = vb.StragglerMonitor(log_every_n_steps=args.log_every, jsonl_dir=args.jsonl_dir)
+    callbacks: list[Callback] = [monitor]
+    if args.checkpoint_every:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=Path(args.out) / "ckpt",
+                every_n_train_steps=args.checkpoint_every,
+                save_top_k=-1,
+                filename="{step}",
+            )
+        )
     strategy: Any = "ddp" if args.devices > 1 else "auto"
     if args.user_hook:
         strategy = DDPStrategy(ddp_comm_hook=_never_called_hook)
     validate = {}
-    if args.val_sleep_ms:  # validation every 2 optimizer steps, 2 batches
+    if args.val_sleep_ms or args.val_every:  # by default every 2 optimizer steps, 2 batches
         validate = dict(
-            val_check_interval=2 * args.accumulate,
+            val_check_interval=args.val_every or 2 * args.accumulate,
             check_val_every_n_epoch=None,
             limit_val_batches=2,
             num_sanity_val_steps=0,
@@ -86,11 +118,11 @@ def main() -> None:
         **validate,
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
-        logger=TensorBoardLogger(Path(args.out) / "tb", name="run", version=0),
-        callbacks=[monitor],
+        logger=TensorBoardLogger(Path(args.out) / "tb", name="run", version=version),
+        callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(args.checkpoint_every),
     )
     model = SlowVisionVLM(
         args.delay_ms,
@@ -103,13 +135,12 @@ def main() -> None:
         max_positions=128,
         moe_experts=2,
     )
-    data = (DataWithVal if args.val_sleep_ms else Data)(table, 128, 0)
-    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    data = (DataWithVal if validate else Data)(table, 128, 0)
+    trainer.fit(model, datamodule=data, ckpt_path=resume)
+    # every rank saves (Lightning's save_checkpoint is a collective); rank 0 writes
+    trainer.save_checkpoint(Path(args.out) / ("last.ckpt" if version == 0 else "last_resumed.ckpt"))
     if trainer.is_global_zero:
-        trainer.save_checkpoint(Path(args.out) / "last.ckpt")
-        (Path(args.out) / "summary.json").write_text(json.dumps(monitor.summary()))
-    else:
-        trainer.save_checkpoint(Path(args.out) / "last.ckpt")
+        (Path(args.out) / summary).write_text(json.dumps(monitor.summary()))
 
 
 if __name__ == "__main__":

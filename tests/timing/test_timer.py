@@ -182,3 +182,55 @@ def test_time_before_a_step_is_not_waiting(clock) -> None:
     assert step.between_steps_ms == 120.0
     assert step.phases_ms["lightning_sync"] == pytest.approx(4.0)
     assert step.step_ms == pytest.approx(4.0)  # the time before the step is not in it
+
+
+def test_a_pause_between_micro_batches_is_outside_the_step(clock) -> None:
+    """Validation between two micro-batches: the pause starts where the last micro-batch ended
+    (whatever ran between, say the validation loader's set-up, is outside too), the step's time
+    and phases leave it out, and the sync point after it is a wait for work outside training."""
+    timer = StepTimer()
+    assert timer.sync_point_is_between()  # before the step's first micro-batch
+    _sleep_phase(timer, clock, "llm_fwd", 0.01)
+    timer.end_micro()
+    clock.sleep(0.5)  # between micro-batches, before validation starts: outside
+    timer.pause()
+    clock.sleep(2.0)  # validation
+    timer.pause()  # a checkpoint saved at the end of validation: paused already
+    clock.sleep(1.0)
+    assert timer.sync_point_is_between()  # training goes on: resumed, and the wait is "between"
+    clock.sleep(0.25)  # the other ranks' validation
+    timer.between_steps(250.0)
+    assert not timer.sync_point_is_between()  # the next micro-batch's sync point is training
+    _sleep_phase(timer, clock, "llm_fwd", 0.01)
+    timer.end_step(1, 0)
+    (step,) = timer.drain()
+    assert step.outside_step_ms == pytest.approx(3500.0)
+    assert step.step_ms == pytest.approx(270.0)  # 2 forwards and the wait after the pause
+    assert step.between_steps_ms == 250.0
+    assert step.phases_ms["llm_fwd"] == pytest.approx(20.0)
+    assert step.to_json(0, 1)["outside_step_ms"] == pytest.approx(3500.0)
+
+
+def test_a_pause_inside_a_micro_batch_ends_with_it(clock) -> None:
+    """A checkpoint saved from a callback's ``on_train_batch_end`` before the monitor's: the
+    pause starts then, and ends with the micro-batch; outside a step a pause does nothing."""
+    timer = StepTimer()
+    timer.pause()  # no step open: nothing to leave out
+    assert not timer.resume()
+    _sleep_phase(timer, clock, "backward", 0.01)
+    timer.pause()
+    clock.sleep(3.0)  # the save
+    timer.end_micro()
+    clock.sleep(0.001)  # between micro-batches: in the step
+    assert timer.sync_point_is_between()  # the other ranks' wait for the save
+    _sleep_phase(timer, clock, "backward", 0.01)
+    timer.end_step(1, 0)
+    (step,) = timer.drain()
+    assert step.outside_step_ms == pytest.approx(3000.0)
+    assert step.step_ms == pytest.approx(21.0)
+    timer.pause()  # between steps: nothing open
+    clock.sleep(1.0)
+    _sleep_phase(timer, clock, "backward", 0.01)
+    timer.end_step(2, 0)
+    (step,) = timer.drain()
+    assert step.outside_step_ms == 0 and step.step_ms == pytest.approx(10.0)
