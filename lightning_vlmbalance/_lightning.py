@@ -19,6 +19,12 @@ attribute disappears or changes meaning):
 ``DDPStrategy._ddp_comm_hook``                              the comm hook Lightning registers on
                                                             CUDA (the monitor wraps it)
 ``torch._C._current_graph_task_id``                         "is autograd running a backward?"
+``_FitLoop.epoch_progress.current.processed``               the epoch the fit loop runs next (what
+                                                            it passes to ``set_epoch``)
+``_FitLoop.max_batches``, ``_combined_loader`` (its         the training batches of the epoch,
+``limits`` and ``_iterator.limits``), ``_data_fetcher``     read once from ``len`` before
+(``length``), ``Trainer.val_check_batch``                   ``set_epoch``: re-read when an epoch's
+                                                            plan has another pack count
 ==========================================================  =======================================
 
 Several listeners can share one loop point: :func:`loop_seam` installs one dispatcher per point
@@ -38,9 +44,14 @@ from typing import Any
 
 import lightning
 import torch
+from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch.loops.fetchers import _DataFetcher
+from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.states import RunningStage
 from packaging.version import Version
 
 __all__ = [
@@ -48,11 +59,13 @@ __all__ = [
     "LoopSeam",
     "check_lightning",
     "ddp_comm_hook",
+    "epoch_to_train",
     "in_backward",
     "leave_loop_seam",
     "loop_seam",
     "micro_batch_index",
     "own_sigterm_handler",
+    "refresh_epoch_batches",
     "release_sigterm_handler",
     "set_ddp_comm_hook",
     "set_received_sigterm",
@@ -89,6 +102,14 @@ def _problems() -> tuple[str, ...]:
         problems.append("`DDPStrategy._register_ddp_hooks` no longer reads `_ddp_comm_hook`")
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         problems.append("`torch._C._current_graph_task_id` is missing")
+    setup_data = inspect.getsource(_FitLoop.setup_data)
+    for needed in ("_parse_num_batches(", "combined_loader.limits", "self.max_batches", "iter("):
+        if needed not in setup_data:
+            problems.append(f"`_FitLoop.setup_data` no longer uses `{needed}`")
+    if "epoch_progress.current.processed" not in inspect.getsource(_FitLoop.on_advance_start):
+        problems.append("`_FitLoop.on_advance_start` no longer sets the epoch it processes")
+    if "self.length" not in inspect.getsource(_DataFetcher.__next__):
+        problems.append("`_DataFetcher.__next__` no longer ends the epoch at its `length`")
     return tuple(problems)
 
 
@@ -207,6 +228,51 @@ def leave_loop_seam(trainer: Any, owner: object) -> None:
 def micro_batch_index(trainer: Any) -> int:
     """Index in the epoch of the micro-batch about to run (or running) in the training loop."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+# -- the epoch's number of training batches ------------------------------------------------------
+
+
+def epoch_to_train(trainer: Any) -> int:
+    """The epoch the fit loop runs now or next: what it passes (or will) to ``set_epoch``."""
+    return int(trainer.fit_loop.epoch_progress.current.processed)
+
+
+def refresh_epoch_batches(trainer: Any) -> None:
+    """Makes the training loop end this epoch where the training loaders' ``len`` says now.
+
+    Lightning reads ``len(train_dataloader)`` once, in ``setup_data`` (before ``set_epoch``,
+    before a resumed loader's state is loaded) and keeps it for every epoch: in its combined
+    loader's limits, the fit loop's ``max_batches`` (``num_training_batches``), its data
+    fetcher's ``length`` and ``val_check_batch``. A loader whose epochs differ in length calls
+    this at the first fetch of each training epoch (its epoch is known then), so the epoch is
+    neither cut short nor stretched and epoch-end validation still comes at its last batch.
+    """
+    fit_loop = trainer.fit_loop
+    combined = fit_loop._combined_loader
+    if combined is None or combined._iterator is None:
+        return
+    lengths = [sized_len(loader) for loader in combined.flattened]
+    limits = [
+        _parse_num_batches(
+            RunningStage.TRAINING,
+            float("inf") if length is None else length,
+            trainer.limit_train_batches,
+        )
+        for length in lengths
+    ]
+    combined.limits = limits
+    combined._iterator.limits = limits  # the running pass keeps its own copy
+    batches = len(combined)
+    if batches == fit_loop.max_batches:
+        return
+    fit_loop.max_batches = batches
+    fetcher = fit_loop._data_fetcher
+    if fetcher is not None and fetcher.length is not None:
+        fetcher.length = batches
+    interval = trainer.val_check_interval
+    if getattr(trainer, "_val_check_time_interval", None) is None and isinstance(interval, float):
+        trainer.val_check_batch = max(1, int(batches * interval))
 
 
 # -- SIGTERM -------------------------------------------------------------------------------------

@@ -255,6 +255,23 @@ def check_length_table(total_tokens: np.ndarray, image_tokens: np.ndarray) -> No
         )
 
 
+def check_image_counts(images: np.ndarray, image_tokens: np.ndarray) -> None:
+    """Validates the ``images`` column against ``image_tokens``; raises ``ValueError`` naming the
+    first bad sample: one entry per sample, and images exactly where there are image tokens."""
+    if images.shape != image_tokens.shape:
+        raise ValueError(
+            f"length table column 'images' has shape {tuple(images.shape)} but image_tokens"
+            f" {tuple(image_tokens.shape)}: one image count per sample"
+        )
+    bad = np.flatnonzero((images < 0) | ((images > 0) != (image_tokens > 0)))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"sample {i} has {int(images[i])} images and {int(image_tokens[i])} image tokens:"
+            " a sample has images exactly when it has image tokens"
+        )
+
+
 def _pack_shard(
     ids: np.ndarray, lengths: np.ndarray, image_tokens: np.ndarray, config: PackingConfig
 ) -> Packs:

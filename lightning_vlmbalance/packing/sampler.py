@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import threading
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
+from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.loss import gradient_ranks, optimizer_steps, weigh_step
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
@@ -30,6 +32,8 @@ from lightning_vlmbalance.packing.plan import (
     PackingConfig,
     as_length_column,
     build_epoch_plan,
+    check_image_counts,
+    check_length_table,
 )
 from lightning_vlmbalance.packing.source import SourceBalance, build_balanced_epoch_plan
 
@@ -72,7 +76,9 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             and micro-steps for ``objective``: ranks read their packs' samples at random
             instead of a contiguous shard; nothing moves at run time.
         objective: ``"step"``, ``"microstep"`` or ``"auto"`` (the strategy's: ``"step"``
-            under ``"vlmbalance"``, ``"microstep"`` under ``"fsdp_vlmbalance"``; else ``"step"``).
+            under ``"vlmbalance"``, ``"microstep"`` under ``"fsdp_vlmbalance"`` and under any
+            other strategy with more than one rank, whose ranks meet every micro-batch; else
+            ``"step"``).
         micro_steps: packs per rank per global batch (default: the Trainer's
             ``accumulate_grad_batches`` when the loader knows the trainer, else 1).
         images: images of each sample (default: one per sample with image tokens); a cost
@@ -145,6 +151,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             if images is None
             else as_length_column(images, "images")
         )
+        check_length_table(self.total_tokens, self.image_tokens)
+        check_image_counts(self.images, self.image_tokens)
         # given values are kept; defaults follow the process group, even one initialised later
         self._auto_replicas, self._auto_rank = num_replicas is None, rank is None
         self._data_parallel: tuple[int, int] | None = None
@@ -152,12 +160,13 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         self.rank = _dist_default(rank, "get_rank", 0)
         self._check_rank()
         self.epoch = 0
-        self._plan: EpochPlan | None = None
+        self._plans: dict[int, EpochPlan] = {}  # the last two epochs' plans
         self._ahead: dict[str, Any] | None = None
         self.plan_ahead = bool(plan_ahead)
         self.planned_ahead = 0  # plans taken from the background
         digest = hashlib.sha1(self.total_tokens.tobytes())
         digest.update(self.image_tokens.tobytes())
+        digest.update(self.images.tobytes())  # a cost feature of the balanced plan
         self._table_hash = digest.hexdigest()
         self.plan()  # validate the table and the settings now, not in the first step
 
@@ -187,15 +196,38 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
                 self.rank,
                 self.num_replicas,
             )
-            self.num_replicas, self.rank, self._plan = world, rank, None
+            self.num_replicas, self.rank, self._plans = world, rank, {}
             self._check_rank()
 
     def set_data_parallel(self, num_replicas: int, rank: int) -> None:
         """The data-parallel group's size and this rank in it, where the sampler's were left to
         default: under tensor parallelism (a strategy's ``distributed_sampler_kwargs``) the ranks
         of one tensor-parallel group compute the same packs, so the data-parallel world is
-        smaller than the process group. Values given at construction are kept."""
-        self._data_parallel = (int(num_replicas), int(rank))
+        smaller than the process group. Values given at construction must be these.
+
+        Raises:
+            ValueError: if the sampler was built with another ``num_replicas`` or ``rank`` (say
+                the world size and global rank under tensor parallelism: the ranks of a
+                tensor-parallel group would then train different packs).
+        """
+        num_replicas, rank = int(num_replicas), int(rank)
+        given = {
+            name: value
+            for name, value, auto, want in (
+                ("num_replicas", self.num_replicas, self._auto_replicas, num_replicas),
+                ("rank", self.rank, self._auto_rank, rank),
+            )
+            if not auto and value != want
+        }
+        if given:
+            args = ", ".join(f"{k}={v}" for k, v in given.items())
+            raise ValueError(
+                f"`PackingSampler({args})` does not match the strategy's data-parallel group:"
+                f" {num_replicas} data-parallel ranks, this one rank {rank} of them (under tensor"
+                " parallelism the ranks of one tensor-parallel group must train the same packs)."
+                " Leave `num_replicas` and `rank` to default, or give these"
+            )
+        self._data_parallel = (num_replicas, rank)
         self._sync_with_process_group()
 
     @property
@@ -212,28 +244,29 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         if objective is not None and self.objective == "auto":
             self.objective, changed = objective, True
         if changed:
-            self._plan = None
+            self._plans = {}
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose plan is yielded (Lightning calls this every epoch)."""
         self.epoch = epoch
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """The packing plan of ``epoch`` (default: the current one), cached for the last epoch.
+        """The packing plan of ``epoch`` (default: the current one), cached for the last two
+        epochs asked for (a loader asks for the epoch Lightning runs next before it is set).
 
-        A balanced sampler plans the next epoch in a background thread as soon as it has the
-        current one (the former runs as machine code without the GIL), so a new epoch finds its
-        plan ready instead of computing it on the step's path."""
-        epoch = self.epoch if epoch is None else epoch
-        if self._plan is None or self._plan.epoch != epoch:
+        A balanced sampler plans the next epoch in a background thread as soon as it has one
+        (the former runs as machine code without the GIL), so a new epoch finds its plan ready
+        instead of computing it on the step's path."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        plan = self._plans.get(epoch)
+        if plan is None:
             plan = self._take_ahead(epoch)
             if plan is None:
                 plan = self._build(self._settings(epoch))
-            if epoch != self.epoch:
-                return plan
-            self._plan = plan
+            kept = {e: p for e, p in self._plans.items() if e == self.epoch and e != epoch}
+            self._plans = {**kept, epoch: plan}
             self._plan_ahead(epoch + 1)
-        return self._plan
+        return plan
 
     def _settings(self, epoch: int) -> tuple:
         return (epoch, self.num_replicas, self.micro_steps, self.objective, self.exact)
@@ -295,10 +328,11 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         state["_ahead"] = None  # a thread does not pickle; the copy plans again if it needs to
         return state
 
-    def pack_refs(self, start: int = 0) -> list[tuple[int, np.ndarray]]:
-        """``(pack_id, sample_ids)`` of this rank's packs from position ``start`` on."""
+    def pack_refs(self, start: int = 0, epoch: int | None = None) -> list[tuple[int, np.ndarray]]:
+        """``(pack_id, sample_ids)`` of this rank's packs of ``epoch`` (default: the current
+        one) from position ``start`` on."""
         self._sync_with_process_group()
-        plan = self.plan()
+        plan = self.plan(epoch)
         return list(zip(plan.rank_pack_ids[self.rank][start:], plan.rank_packs[self.rank][start:]))
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -306,8 +340,13 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             yield ids.tolist()
 
     def __len__(self) -> int:
+        return self.packs_per_rank()
+
+    def packs_per_rank(self, epoch: int | None = None) -> int:
+        """This rank's packs in ``epoch`` (default: the current one); epochs differ, since each
+        shuffle packs differently."""
         self._sync_with_process_group()
-        return self.plan().packs_per_rank
+        return self.plan(epoch).packs_per_rank
 
     def fingerprint(self) -> dict[str, Any]:
         """What must match for a saved position to mean the same packs after a resume."""
@@ -350,15 +389,26 @@ def _sampler_kwargs(trainer: Any) -> dict[str, int] | None:
     return kwargs
 
 
-def _check_ranks_agree(sampler: PackingSampler) -> None:
-    """All ranks must plan from the same table and settings, or DDP would hang on unequal step
-    counts: one small all-gather per pass turns that into an error on every rank."""
+def _strategy_objective(trainer: Any) -> str:
+    """How often the ranks meet under the trainer's strategy: the rebalancing strategies say
+    (``resolved_objective``); under any other, Lightning's per-micro-batch SIGTERM-flag
+    broadcast (``world_size > 1``) and FSDP's collectives meet every micro-batch."""
+    objective = getattr(trainer.strategy, "resolved_objective", None)
+    if objective is not None:
+        return str(objective)
+    return "microstep" if trainer.world_size > 1 else "step"
+
+
+def _check_ranks_agree(sampler: PackingSampler, epoch: int) -> None:
+    """All ranks must plan ``epoch`` from the same table and settings, or DDP would hang on
+    unequal step counts: one small all-gather per pass turns that into an error on every rank."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     world = torch.distributed.get_world_size()
-    if world == 1 or world != sampler.num_replicas:
+    if world == 1:
         return
-    mine = (sampler.epoch, len(sampler), json.dumps(sampler.fingerprint(), sort_keys=True))
+    # every rank of the world, tensor-parallel peers too: they plan the same packs
+    mine = (epoch, sampler.packs_per_rank(epoch), json.dumps(sampler.fingerprint(), sort_keys=True))
     everyone: list[Any] = [None] * world
     torch.distributed.all_gather_object(everyone, mine)
     if any(other != everyone[0] for other in everyone):
@@ -474,6 +524,7 @@ class PackedDataLoader:
         self.dataloader_kwargs = dataloader_kwargs
         self._resume_epoch: int | None = None
         self._resume_at = 0
+        self._told_len: int | None = None  # what ``len`` answered without a trainer
         self._iter_epoch: int | None = None
         self._pending = False
         self._start = 0
@@ -492,12 +543,26 @@ class PackedDataLoader:
         if kwargs is not None:
             self.sampler.set_data_parallel(kwargs["num_replicas"], kwargs["rank"])
         if self.trainer is not None and self.sampler.balanced:
-            objective = getattr(self.trainer.strategy, "resolved_objective", None)
-            self.sampler.set_micro_steps(int(self.trainer.accumulate_grad_batches), objective)
+            self.sampler.set_micro_steps(
+                int(self.trainer.accumulate_grad_batches), _strategy_objective(self.trainer)
+            )
 
     def __len__(self) -> int:
         self._adopt_data_parallel()
-        return len(self.sampler)
+        if self._training():
+            # Lightning asks before it calls ``set_epoch`` (and, on a resume, before this
+            # loader's state is loaded): answer for the epoch it is about to train
+            return self.sampler.packs_per_rank(self._plan_epoch(seam.epoch_to_train(self.trainer)))
+        self._told_len = len(self.sampler)
+        return self._told_len
+
+    def _training(self) -> bool:
+        return self.trainer is not None and self.trainer.training
+
+    def _plan_epoch(self, epoch: int) -> int:
+        """The plan trained in ``epoch``: with ``Trainer(overfit_batches=N)`` the first ``N``
+        packs of epoch 0's plan, every epoch."""
+        return 0 if self._overfitting() else epoch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._pending = True
@@ -508,17 +573,31 @@ class PackedDataLoader:
         # creates the iterator before it calls ``set_epoch`` for the epoch.
         self._pending = False
         self._adopt_data_parallel()
-        if self._overfitting():
-            # Trainer(overfit_batches=N): the same first N packs of one plan every epoch
-            self.sampler.set_epoch(0)
+        # the epoch is Lightning's (what a checkpoint saves); the plan trained in it is epoch
+        # 0's when overfitting
         epoch, start = self.sampler.epoch, 0
+        plan_epoch = self._plan_epoch(epoch)
         if self._resume_epoch is not None:
             if self._resume_epoch == epoch:
                 start = self._resume_at
             self._resume_epoch = None
         self._iter_epoch, self._start, self._delivered = epoch, start, 0
-        self._refs = self.sampler.pack_refs(start)
-        _check_ranks_agree(self.sampler)
+        self._refs = self.sampler.pack_refs(start, epoch=plan_epoch)
+        _check_ranks_agree(self.sampler, plan_epoch)
+        packs = self.sampler.packs_per_rank(plan_epoch)
+        if self._training():
+            # epochs differ in pack count; Lightning keeps the count it read before the first
+            seam.refresh_epoch_batches(self.trainer)
+        elif self._told_len is not None and self._told_len != packs:
+            warnings.warn(
+                f"PackedDataLoader: epoch {epoch} has {packs} packs on this rank, but `len()`"
+                f" said {self._told_len} before: a Trainer that read that length ends the epoch"
+                " there and never trains its last packs. Give the loader its trainer"
+                " (`PackedDataLoader(..., trainer=self.trainer)`): it then tells Lightning each"
+                " epoch's length",
+                stacklevel=2,
+            )
+            self._told_len = None  # said once
         if self._inner is None:
             self._inner = DataLoader(
                 _PackDataset(self.dataset, self.sampler, self.collate_fn),
@@ -534,8 +613,7 @@ class PackedDataLoader:
             yield batch
 
     def _overfitting(self) -> bool:
-        trainer = self.trainer
-        return trainer is not None and trainer.training and trainer.overfit_batches > 0
+        return self._training() and self.trainer.overfit_batches > 0
 
     def _weighted_steps(self, trainer: Any, start: int) -> Iterator[dict[str, Any]]:
         """The inner batches, one optimizer step read ahead at a time, weighted for the step."""
@@ -558,6 +636,17 @@ class PackedDataLoader:
             total = int(tokens) // copies
             weigh_step(step, global_loss_tokens=total, ranks=ranks, micro_steps=micro_steps)
             yield from step
+
+    @property
+    def worker_init_fn(self) -> Any:
+        """The inner ``DataLoader``'s; Lightning sets it for ``seed_everything(workers=True)``."""
+        return self.dataloader_kwargs.get("worker_init_fn")
+
+    @worker_init_fn.setter
+    def worker_init_fn(self, fn: Any) -> None:
+        self.dataloader_kwargs["worker_init_fn"] = fn
+        if self._inner is not None:
+            self._inner.worker_init_fn = fn
 
     @property
     def start(self) -> int:

@@ -32,6 +32,13 @@ SMALL_VLM = {
 }
 
 
+def step_checkpoints(out: str, every: int, filename: str = "{epoch}-{step}") -> ModelCheckpoint:
+    """A checkpoint every ``every`` optimizer steps in ``out/ckpt``, every one kept."""
+    return ModelCheckpoint(
+        dirpath=Path(out) / "ckpt", every_n_train_steps=every, save_top_k=-1, filename=filename
+    )
+
+
 class RecordingVLM(ToyVLM):
     def __init__(self, out: str, **kw: Any) -> None:
         super().__init__(**kw)
@@ -99,14 +106,7 @@ def main() -> None:
         table = vb.LengthTable(total_tokens=total, image_tokens=image, images=images)
     callbacks = []
     if args.checkpoint_every:
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=Path(args.out) / "ckpt",
-                every_n_train_steps=args.checkpoint_every,
-                save_top_k=-1,
-                filename="{epoch}-{step}",
-            )
-        )
+        callbacks.append(step_checkpoints(args.out, args.checkpoint_every))
     if args.epoch_checkpoint:  # Lightning's default: save when a training epoch ends
         callbacks.append(
             ModelCheckpoint(dirpath=Path(args.out) / "ckpt", save_top_k=-1, filename="end-{epoch}")

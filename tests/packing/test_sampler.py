@@ -241,3 +241,87 @@ def test_ranks_with_different_length_tables_fail_instead_of_hanging() -> None:
     for r in (0, 1):
         status, _, message = out[r]
         assert status == "error" and "ranks disagree on the packing plan" in message
+
+
+def _tensor_parallel_pair(rank: int, world: int, seed_shift: int) -> int:
+    """A 2-rank world of one tensor-parallel pair (data-parallel size 1): both ranks plan the
+    same packs, and a rank whose settings differ is caught before a step is taken."""
+    table = vb.synthetic_length_table(300, tile_tokens=8, max_text_tokens=64, seed=5)
+    sampler = vb.PackingSampler(
+        table.total_tokens, table.image_tokens, seq_len=256, seed=rank * seed_shift
+    )
+    sampler.set_data_parallel(1, 0)  # what the strategy's sampler kwargs say under TP 2
+    ds = vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    return len([b for b in vb.PackedDataLoader(ds, sampler)])
+
+
+def test_tensor_parallel_ranks_with_different_settings_fail_instead_of_hanging() -> None:
+    """The plan check covers tensor-parallel peers (world 2, data-parallel size 1)."""
+    from tests.multiproc import run_ranks
+
+    same = run_ranks(_tensor_parallel_pair, 2, 0, start_method="forkserver")
+    assert same[0] == same[1] and same[0][0] == "ok"
+    differ = run_ranks(_tensor_parallel_pair, 2, 1, start_method="forkserver")
+    for r in (0, 1):
+        status, message = differ[r]
+        assert status == "error" and "ranks disagree on the packing plan" in str(message)
+
+
+def test_explicit_world_ranks_under_tensor_parallelism_are_refused() -> None:
+    """``num_replicas=world, rank=global_rank`` (the DDP idiom) cannot stand where the
+    data-parallel group is smaller: the message names the data-parallel size."""
+    table = vb.synthetic_length_table(100, tile_tokens=8, max_text_tokens=64, seed=5)
+    sampler = vb.PackingSampler(
+        table.total_tokens, table.image_tokens, seq_len=256, num_replicas=4, rank=3
+    )
+    with pytest.raises(ValueError, match=r"rank=3.*2 data-parallel ranks, this one rank 1"):
+        sampler.set_data_parallel(2, 1)
+    sampler.set_data_parallel(4, 3)  # the same values: fine
+    defaulted = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=256)
+    defaulted.set_data_parallel(2, 1)  # defaulted values follow the strategy's
+
+
+def test_the_images_column_is_checked_and_fingerprinted() -> None:
+    """A wrong-length or inconsistent ``images`` column is named; a sampler with other image
+    counts (a cost feature of the balanced plan) does not accept another's saved state."""
+    table = vb.synthetic_length_table(100, tile_tokens=8, max_text_tokens=64, seed=5)
+    total, image = table.total_tokens, table.image_tokens
+    with pytest.raises(ValueError, match=r"'images' has shape \(99,\)"):
+        vb.PackingSampler(total, image, seq_len=256, images=table.images[:-1])
+    with_image = int(np.flatnonzero(image > 0)[0])
+    no_images = table.images.copy()
+    no_images[with_image] = 0
+    with pytest.raises(ValueError, match=rf"sample {with_image} has 0 images and \d+ image"):
+        vb.PackingSampler(total, image, seq_len=256, images=no_images)
+    text = int(np.flatnonzero(image == 0)[0])
+    stray = table.images.copy()
+    stray[text] = 1
+    with pytest.raises(ValueError, match=rf"sample {text} has 1 images and 0 image tokens"):
+        vb.PackingSampler(total, image, seq_len=256, images=stray)
+    more = np.where(table.images > 0, table.images + 1, 0)
+    ds = vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    saved = vb.PackedDataLoader(
+        ds, vb.PackingSampler(total, image, seq_len=256, images=table.images, balance=True)
+    ).state_dict()
+    other = vb.PackedDataLoader(
+        ds, vb.PackingSampler(total, image, seq_len=256, images=more, balance=True)
+    )
+    with pytest.raises(ValueError, match="length_table_sha1"):
+        other.load_state_dict(saved)
+
+
+def test_plain_model_parallel_resolves_auto_to_microstep() -> None:
+    """Under a strategy other than ours with more than one rank (FSDP's collectives, Lightning's
+    per-micro-batch flag broadcast) the ranks meet every micro-batch: a balanced sampler's
+    ``objective="auto"`` plans for ``"microstep"``."""
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    table = vb.synthetic_length_table(100, tile_tokens=8, max_text_tokens=64, seed=5)
+    sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=256, balance=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), accumulate_grad_batches=3
+    )
+    ds = vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    len(vb.PackedDataLoader(ds, sampler, trainer=trainer))
+    assert (sampler.objective, sampler.micro_steps) == ("microstep", 3)

@@ -1,0 +1,165 @@
+"""A CPU fit over several epochs whose plans have different pack counts, for the epoch tests.
+
+    python -m tests.packing.epoch_job --out DIR --strategy vlmbalance --devices 2 --balance
+
+Every rank writes ``DIR/rank{r}.json``: per micro-batch it trained, ``(epoch, global_step,
+sample_ids, loss_tokens, global_loss_tokens)``, and the pack count of every epoch's plan on its
+rank (what the sampler planned, whatever Lightning was told). ``--reload`` asks for a new loader
+every epoch; ``--checkpoint-every N`` saves every N optimizer steps; ``--resume CKPT`` resumes;
+``--plain-loader`` trains a torch ``DataLoader`` over epoch 0's packs with ``PackCollator``
+(a loader that cannot resume).
+Run as a subprocess: Lightning's DDP launcher re-executes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+import lightning_vlmbalance as vb
+from tests.balance.strategy_job import Job
+from tests.packing.lightning_job import SMALL_VLM, step_checkpoints
+
+SAMPLES, SEQ_LEN = 300, 128
+
+
+def length_table() -> vb.LengthTable:
+    return vb.synthetic_length_table(
+        SAMPLES, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
+    )
+
+
+def sampler(
+    *, seed: int, window: int, balance: bool, num_replicas: int | None = None, **kw: Any
+) -> vb.PackingSampler:
+    """The sampler of the job (the tests build the same one to know its plans' pack counts)."""
+    table = length_table()
+    return vb.PackingSampler(
+        table.total_tokens,
+        table.image_tokens,
+        seq_len=SEQ_LEN,
+        seed=seed,
+        window=window,
+        balance=balance or None,
+        num_replicas=num_replicas,
+        **kw,
+    )
+
+
+class EpochData(L.LightningDataModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+        self.loaders: list[vb.PackedDataLoader] = []
+
+    def train_dataloader(self) -> Any:
+        a = self.args
+        if a.plain_loader:  # this rank's packs of epoch 0, the same every epoch; no state
+            world, rank = self.trainer.world_size, self.trainer.global_rank
+            plan = sampler(seed=a.seed, window=a.window, balance=False, num_replicas=world)
+            return DataLoader(
+                vb.SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8),
+                batch_sampler=[ids.tolist() for ids in plan.plan().rank_packs[rank]],
+                collate_fn=vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
+            )
+        loader = vb.PackedDataLoader(
+            vb.SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8),
+            sampler(seed=a.seed, window=a.window, balance=a.balance),
+            vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
+            trainer=self.trainer,
+            num_workers=a.num_workers,
+        )
+        self.loaders.append(loader)
+        return loader
+
+
+class EpochJob(Job):
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        self.trained.append(
+            (
+                self.current_epoch,
+                self.trainer.global_step,
+                batch["meta"]["sample_ids"],
+                int(batch["loss_tokens"]),
+                int(batch["global_loss_tokens"]),
+            )
+        )
+        return super().training_step(batch, batch_idx)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.trained: list[tuple] = []
+
+    def on_train_end(self) -> None:
+        loaders = self.trainer.datamodule.loaders
+        planned = {}
+        for epoch in range(self.trainer.max_epochs if loaders else 0):
+            plan = loaders[-1].sampler.plan(epoch)
+            planned[epoch] = len(plan.rank_packs[loaders[-1].sampler.rank])
+        path = Path(self.out) / f"rank{self.global_rank}.json"
+        path.write_text(
+            json.dumps(
+                {
+                    "trained": self.trained,
+                    "planned": planned,
+                    "optimizer_steps": self.trainer.global_step,
+                    "loaders": len(self.trainer.datamodule.loaders),
+                }
+            )
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--strategy", default="vlmbalance")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--accumulate", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--window", type=int, default=16)
+    p.add_argument("--balance", action="store_true")
+    p.add_argument("--reload", action="store_true", help="reload_dataloaders_every_n_epochs=1")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resume")
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--overfit-batches", type=float, default=0.0)
+    p.add_argument("--plain-loader", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    strategy: Any = args.strategy
+    if args.strategy == "fsdp_vlmbalance":
+        strategy = vb.FSDPVLMBalanceStrategy(exchange_timeout_s=60.0)
+    elif args.strategy == "vlmbalance":
+        strategy = vb.VLMBalanceStrategy(exchange_timeout_s=60.0)
+    callbacks = []
+    if args.checkpoint_every:
+        callbacks.append(step_checkpoints(args.out, args.checkpoint_every))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        accumulate_grad_batches=args.accumulate,
+        reload_dataloaders_every_n_epochs=1 if args.reload else 0,
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        overfit_batches=args.overfit_batches,
+        use_distributed_sampler=not args.plain_loader,  # its batch sampler is a list
+    )
+    model = EpochJob(args.out, **{**SMALL_VLM, "moe_experts": 0}, max_positions=SEQ_LEN)
+    trainer.fit(model, datamodule=EpochData(args), ckpt_path=args.resume)
+
+
+if __name__ == "__main__":
+    main()
