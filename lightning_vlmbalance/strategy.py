@@ -19,7 +19,8 @@
 Everything beyond DDP lives in :class:`Rebalancer`, a component any strategy can own (the sharded
 strategy reuses it by composition); the strategy class only forwards its hooks to it.
 
-Metrics (logged from rank 0 at the end of each global batch):
+Metrics (logged from rank 0 at the first micro-batch of each global batch, for that global
+batch: its plan and exchange are done by then):
 
 ==================================  ======================================================
 ``balance/moved_packs``             packs that changed rank in the last global batch
@@ -104,6 +105,7 @@ class Rebalancer:
         self._trainer: Any = None
         self._sigterm_pending = False
         self._logged_batches = 0
+        self._wrapped_for: tuple[int, int] | None = None  # (trainer, epoch) of the last wrap
 
     def data_parallel(self) -> tuple[int, int]:
         """``(size, rank)`` of this rank's data-parallel group: the world under DDP, the
@@ -148,6 +150,7 @@ class Rebalancer:
                 self._group_ranks = None if whole else [int(r) for r in ranks]
 
     def setup(self, trainer: Any) -> None:
+        self._wrapped_for = None
         if trainer.state.fn == TrainerFn.FITTING:
             self._own_sigterm(trainer)
 
@@ -163,6 +166,17 @@ class Rebalancer:
                 " `Trainer(accumulate_grad_batches=...)`: a global batch is one optimizer step,"
                 " which a GradientAccumulationScheduler changes during training"
             )
+        # Lightning processes every training loader of one request at the same epoch; a reload
+        # comes at a later one
+        wrapped_for = (id(trainer), seam.epoch_to_train(trainer))
+        if self.loader is not None and self._wrapped_for == wrapped_for:
+            raise ValueError(
+                f"`{type(self.strategy).__name__}` rebalances one training dataloader, and"
+                " `train_dataloader()` returned several (a list, a dict or a CombinedLoader):"
+                " each would run its own exchange on the same process group. Return one loader"
+                " of packed batches (e.g. one PackedDataLoader over the concatenated datasets)"
+            )
+        self._wrapped_for = wrapped_for
         if isinstance(dataloader, RebalancingLoader):  # wrapped by the user: use its inner one
             if dataloader.micro_steps != trainer.accumulate_grad_batches:
                 raise ValueError(
@@ -197,6 +211,9 @@ class Rebalancer:
             payload_group=self._payload_group,
             device=self.strategy.root_device if self._payload_group is not None else None,
             epoch_batches=lambda: trainer.num_training_batches,
+            # the training loop's position: a loader that cannot resume starts again from its
+            # first batch, while the loop counts on from the checkpoint's
+            epoch_position=lambda: seam.micro_batch_index(trainer),
         )
         return self.loader
 

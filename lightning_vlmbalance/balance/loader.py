@@ -19,7 +19,10 @@ background thread one global batch ahead, so the exchange hides behind compute; 
 the batches unchanged but still sets ``loss_weight`` (same math as the other modes). The
 thread is joined when the iteration ends, is closed, or fails; a failure in it is raised in the
 consumer as :class:`~lightning_vlmbalance.balance.exchange.ExchangeError` (or the original error),
-never a hang: every wait has the ``exchange_timeout_s`` deadline.
+never a hang: the consumer waits at most ``exchange_timeout_s`` for a global batch, and the
+collectives wait as long as ``group``'s own timeout. The strategies create their group with
+``exchange_timeout_s`` as its timeout; a ``group`` you create yourself (or ``None``, the world
+group) has the timeout it was created with (torch's default for gloo: 30 minutes).
 
 The last global batch of an epoch may be shorter (where ``epoch_batches`` ends it, known to all
 ranks without a collective): it is rebalanced over its own micro-steps, matching Lightning's
@@ -162,6 +165,15 @@ class RebalancingLoader:
             ``fast_dev_run``); the last optimizer step ends there. Default: every batch.
         group_ranks: the global rank of each rank of ``group`` when it is not the world (the
             data-parallel peers of one tensor-parallel rank); default: ranks are global.
+        epoch_position: returns the position in the epoch of the first batch of a pass (the
+            training loop's batch index when it fetches it: ``> 0`` after a mid-epoch resume,
+            also when the inner loader cannot resume and starts again from its first batch);
+            the optimizer steps are grouped from there. Default: the inner loader's ``start``
+            (0 if it has none).
+
+    The loader is resumable (``state_dict`` / ``load_state_dict``, which Lightning checkpoints)
+    exactly when the inner loader is; otherwise Lightning warns on a mid-epoch resume, as it
+    would for the inner loader alone.
 
     Raises:
         ValueError: for a bad setting (naming it).
@@ -181,6 +193,7 @@ class RebalancingLoader:
         device: torch.device | str | None = None,
         epoch_batches: Callable[[], float] | None = None,
         group_ranks: Sequence[int] | None = None,
+        epoch_position: Callable[[], int] | None = None,
         **options: Any,
     ) -> None:
         if micro_steps < 1:
@@ -204,6 +217,7 @@ class RebalancingLoader:
         self.payload_group = payload_group
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.epoch_batches = epoch_batches
+        self.epoch_position = epoch_position
         self._stream: Any = None  # the side CUDA stream of the exchange (created on first use)
         self._ready_events: dict[int, Any] = {}  # id(batch) -> CUDA event, until it is used
         # the last global batches' statistics (bounded: a long run must not grow), and counters
@@ -227,30 +241,31 @@ class RebalancingLoader:
     def exchange_timeout_s(self) -> float:
         return self.config.exchange_timeout_s
 
-    # Lightning checkpoints: the inner loader's state, at the position *yielded* so far (the
-    # inner loader runs ahead by up to two global batches in "overlap" mode). Checkpoints taken
-    # at optimizer-step boundaries resume on a global-batch boundary, with the same packs.
-    def state_dict(self) -> dict[str, Any]:
-        if not hasattr(self.loader, "state_dict"):
-            return {}  # the inner loader cannot resume: neither can we
-        state = self.loader.state_dict()
-        if (
-            self._pass_start is not None
-            and "consumed" in state
-            and state.get("epoch") == self._pass_epoch
-        ):
-            state = {**state, "consumed": self._pass_start + self._yielded}
-        return state
+    def __new__(cls, loader: Iterable[Any], **kwargs: Any) -> RebalancingLoader:
+        # resumable exactly when the inner loader is: Lightning decides by the methods' presence
+        if cls is RebalancingLoader and _resumable(loader):
+            cls = _ResumableRebalancingLoader
+        return super().__new__(cls)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict and hasattr(self.loader, "load_state_dict"):
-            self.loader.load_state_dict(state_dict)
+    def __getnewargs_ex__(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (self.loader,), {}  # a copy picks its class as the original did
 
     def __getattr__(self, name: str) -> Any:
-        # sampler, batch_size, ... of the wrapped loader (Lightning inspects a few)
-        if name == "loader":
+        # sampler, batch_size, ... of the wrapped loader (Lightning inspects a few); never the
+        # checkpoint methods, which only a resumable inner loader gives (see the subclass)
+        if name in ("loader", "state_dict", "load_state_dict"):
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+    @property
+    def worker_init_fn(self) -> Any:
+        """The inner loader's (Lightning sets it for ``seed_everything(workers=True)``: the
+        workers that run are the inner loader's)."""
+        return self.loader.worker_init_fn  # type: ignore[attr-defined]
+
+    @worker_init_fn.setter
+    def worker_init_fn(self, fn: Any) -> None:
+        self.loader.worker_init_fn = fn  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[Any]:
         overlapped = self.mode == "overlap" and self.world_size > 1
@@ -268,7 +283,7 @@ class RebalancingLoader:
         self._pass_start, self._pass_epoch, self._yielded = None, None, 0
         for batch in batches:
             if self._pass_start is None:  # the inner loader resolves its start at first next()
-                self._pass_start = int(getattr(self.loader, "start", 0))
+                self._pass_start = self._inner_start()
                 self._pass_epoch = getattr(getattr(self.loader, "sampler", None), "epoch", None)
             self._yielded += 1
             event = self._ready_events.pop(id(batch), None)
@@ -285,9 +300,12 @@ class RebalancingLoader:
         return optimizer_steps(
             self.loader,
             micro_steps=self.micro_steps,
-            start=lambda: int(getattr(self.loader, "start", 0)),
+            start=self.epoch_position or self._inner_start,
             stop=self.epoch_batches,
         )
+
+    def _inner_start(self) -> int:
+        return int(getattr(self.loader, "start", 0))
 
     def _iter_inline(self) -> Iterator[Any]:
         for batches in self._global_batches():
@@ -415,6 +433,32 @@ class RebalancingLoader:
             ]
         weigh_step(order, global_loss_tokens=global_tokens, ranks=W, micro_steps=self.micro_steps)
         return order, stats
+
+
+def _resumable(loader: object) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+
+
+class _ResumableRebalancingLoader(RebalancingLoader):
+    """A :class:`RebalancingLoader` over a resumable loader: Lightning checkpoints the inner
+    loader's state at the position *yielded* so far (the inner loader runs ahead by up to two
+    global batches in ``"overlap"`` mode). Checkpoints taken at optimizer-step boundaries
+    resume on a global-batch boundary, with the same packs."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.loader.state_dict()  # type: ignore[attr-defined]
+        if (
+            self._pass_start is not None
+            and "consumed" in state
+            and state.get("epoch") == self._pass_epoch
+        ):
+            state = {**state, "consumed": self._pass_start + self._yielded}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]
 
 
 def _nbytes(obj: Any) -> int:

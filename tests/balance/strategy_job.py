@@ -22,12 +22,11 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import lightning_vlmbalance as vb
 from lightning_vlmbalance.balance.loader import RebalancingLoader
-from tests.packing.lightning_job import SMALL_VLM, Data, RecordingVLM
+from tests.packing.lightning_job import SMALL_VLM, Data, RecordingVLM, step_checkpoints
 
 
 class GlobalTokenData(Data):
@@ -50,6 +49,7 @@ class SourceBalancedData(Data):
     source (micro-steps and objective from the Trainer through the loader)."""
 
     exact = False
+    objective = "auto"
 
     def train_dataloader(self) -> Any:
         ds = vb.SyntheticVLMDataset(self.table, vocab_size=64, patch_dim=8)
@@ -61,6 +61,7 @@ class SourceBalancedData(Data):
             window=64,  # Data's: exact=True keeps its unbalanced plan's global batches
             balance=True,
             exact=self.exact,
+            objective=self.objective,
         )
         return vb.PackedDataLoader(
             ds,
@@ -302,6 +303,7 @@ def main() -> None:
     p.add_argument("--dense", action="store_true", help="MLPs instead of the MoE feed-forward")
     p.add_argument("--balance", action="store_true", help="PackingSampler(balance=True)")
     p.add_argument("--balance-exact", action="store_true", help="... and exact=True")
+    p.add_argument("--balance-objective", default="auto", help="... and this objective")
     p.add_argument(
         "--no-sync-accumulation",
         action="store_true",
@@ -333,16 +335,11 @@ def main() -> None:
     )
     if args.balance_exact:
         data.exact = True
+    if isinstance(data, SourceBalancedData):
+        data.objective = args.balance_objective
     callbacks: list[Any] = []
     if args.checkpoint_every:
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=Path(args.out) / "ckpt",
-                every_n_train_steps=args.checkpoint_every,
-                save_top_k=-1,
-                filename="{step}",
-            )
-        )
+        callbacks.append(step_checkpoints(args.out, args.checkpoint_every, "{step}"))
     if args.all_callbacks:
         callbacks += [
             vb.StragglerMonitor(log_every_n_steps=1, jsonl_dir=Path(args.out) / "straggler"),

@@ -258,3 +258,74 @@ def test_overfit_batches_trains_the_same_packs_every_epoch(jobs, strategy, overf
         assert epochs[0] == epochs[1] == epochs[2]
     first = [s for r in (0, 1) for e, _, ids in run[r]["seen"] if e == 0 for s in ids]
     assert len(first) == len(set(first))  # exactly once within the overfit set
+
+
+def _one_rank_fit(rank: int, world: int, case: str) -> dict:
+    """A 1-rank ``"vlmbalance"`` fit in this (spawned) process: ``case`` is ``"two_loaders"``
+    (``train_dataloader`` returns two) or ``"seeded_workers"`` (``seed_everything(workers=
+    True)``, a plain DataLoader of packs and a PackedDataLoader, two workers each)."""
+    from functools import partial
+
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+    from torch.utils.data import DataLoader
+
+    from tests.cpu_fit import cpu_trainer, packed_loader
+    from tests.packing.lightning_job import SMALL_VLM, RecordingVLM
+
+    L.seed_everything(0, workers=case == "seeded_workers", verbose=False)
+    seen: dict[str, object] = {}
+
+    class Model(RecordingVLM):
+        def train_dataloader(self):
+            packed = packed_loader(self.trainer)
+            if case == "two_loaders":
+                return [packed, packed_loader(self.trainer)]
+            packed.dataloader_kwargs["num_workers"] = 2
+            plain = DataLoader(
+                packed.dataset,
+                batch_sampler=[ids for ids in packed.sampler],
+                collate_fn=vb.PackCollator(128, image_feature_shape=(8,)),
+                num_workers=2,
+            )
+            self.loaders = {"packed": packed, "plain": plain}
+            return plain if self.trainer.current_epoch == 0 else packed
+
+        def training_step(self, batch, batch_idx):
+            loader = self.trainer.strategy.rebalancing_loader.loader
+            inner = loader._inner if isinstance(loader, vb.PackedDataLoader) else loader
+            fn = inner.worker_init_fn
+            key = "packed" if isinstance(loader, vb.PackedDataLoader) else "plain"
+            seen[key] = isinstance(fn, partial) and fn.func is pl_worker_init_function
+            return super().training_step(batch, batch_idx)
+
+    trainer = cpu_trainer(
+        [],
+        4,
+        strategy="vlmbalance",
+        max_epochs=2,
+        reload_dataloaders_every_n_epochs=1,
+        use_distributed_sampler=False,
+    )
+    trainer.limit_train_batches = 2
+    model = Model("/tmp", **SMALL_VLM, max_positions=128)
+    trainer.fit(model)
+    return seen
+
+
+def test_several_training_loaders_are_refused() -> None:
+    """Each loader would get its own exchange thread on the one process group: refused."""
+    from tests.multiproc import run_ranks
+
+    status, message = run_ranks(_one_rank_fit, 1, "two_loaders", start_method="forkserver")[0]
+    assert status == "error" and "rebalances one training dataloader" in message
+
+
+def test_seed_everything_seeds_the_workers_the_strategy_runs() -> None:
+    """``seed_everything(workers=True)``: Lightning's ``worker_init_fn`` reaches the loader
+    whose workers run (a plain DataLoader inside the strategy's wrapper, and the
+    PackedDataLoader's own DataLoader), not an attribute of a wrapper."""
+    from tests.multiproc import run_ranks
+
+    status, seen = run_ranks(_one_rank_fit, 1, "seeded_workers", start_method="forkserver")[0]
+    assert status == "ok", seen
+    assert seen == {"plain": True, "packed": True}
