@@ -80,7 +80,14 @@ def synthetic_length_table(
 
 
 def read_length_csv(*paths: str | Path) -> LengthTable:
-    """Reads length tables in the shared CSV format (``total_tokens,image_tokens,images``)."""
+    """Reads length tables in the shared CSV format (``total_tokens,image_tokens,images``).
+
+    Raises:
+        ValueError: naming the file, line and column of the first bad cell: a missing column
+            or cell, a cell that is not an integer, ``total_tokens < 1``, ``image_tokens``
+            outside ``[0, total_tokens]``, ``images < 0``, or images without image tokens
+            or image tokens without images.
+    """
     cols: dict[str, list[int]] = {"total_tokens": [], "image_tokens": [], "images": []}
     for path in paths:
         with open(path, newline="") as f:
@@ -89,9 +96,39 @@ def read_length_csv(*paths: str | Path) -> LengthTable:
             if missing:
                 raise ValueError(f"{path}: missing columns {sorted(missing)}")
             for row in reader:
-                for k in cols:
-                    cols[k].append(int(row[k]))
+                line = reader.line_num
+                values = {k: _csv_int(row.get(k), path, line, k) for k in cols}
+                _check_length_row(values, f"{path}:{line}")
+                for k, v in values.items():
+                    cols[k].append(v)
     return LengthTable(**{k: np.asarray(v, dtype=np.int64) for k, v in cols.items()})
+
+
+def _csv_int(cell: str | None, path: str | Path, line: int, column: str) -> int:
+    if cell is None:
+        raise ValueError(f"{path}:{line}: column {column!r} is missing (the row is too short)")
+    try:
+        return int(cell.strip())
+    except ValueError:
+        raise ValueError(f"{path}:{line}: column {column!r} is {cell!r}, not an integer") from None
+
+
+def _check_length_row(v: dict[str, int], where: str) -> None:
+    """One sample's lengths: ``total >= 1``, ``0 <= image <= total``, images with image tokens."""
+    if v["total_tokens"] < 1:
+        raise ValueError(f"{where}: column 'total_tokens' is {v['total_tokens']} (must be >= 1)")
+    if not 0 <= v["image_tokens"] <= v["total_tokens"]:
+        raise ValueError(
+            f"{where}: column 'image_tokens' is {v['image_tokens']}: image_tokens"
+            f" {v['image_tokens']} must be in [0, total_tokens {v['total_tokens']}]"
+        )
+    if v["images"] < 0:
+        raise ValueError(f"{where}: column 'images' is {v['images']} (must be >= 0)")
+    if (v["images"] > 0) != (v["image_tokens"] > 0):
+        raise ValueError(
+            f"{where}: columns 'image_tokens' and 'images': {v['image_tokens']} image tokens"
+            f" but {v['images']} images (a sample has images exactly when it has image tokens)"
+        )
 
 
 class SyntheticVLMDataset(Dataset):

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,22 +87,45 @@ class FitReport:
     """How well a fitted :class:`CostModel` explains the measurements it was fitted to.
 
     Attributes:
-        samples: micro-batches used.
+        samples: micro-batches used (records with the pack features).
         mape: mean absolute percentage error per measured field (``vision_fwd_ms``, ...) and for
             their sum (``total_ms``), as a fraction (0.05 = 5%).
         r2: coefficient of determination per field and for ``total_ms``.
         fitted: the fields that were fitted; the phases of a field absent from the data keep
             their previous coefficients.
+        timed: per measured field, how many of the ``samples`` had that time.
+        determined: per fitted field, the terms the records determined (fitted).
+        kept: per fitted field, the terms the records cannot determine, which kept their
+            previous (prior) coefficients: a term that is zero in every record (no image in
+            text-only timings), or a combination of the others (``images``, ``image_tokens``
+            and ``image_sq_tokens`` when every image has the same size). Their errors above
+            say nothing about these terms.
+        skipped: records without the pack features (not used).
     """
 
     samples: int
     mape: dict[str, float]
     r2: dict[str, float]
     fitted: tuple[str, ...]
+    timed: dict[str, int] = field(default_factory=dict)
+    determined: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    kept: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    skipped: int = 0
 
     def __str__(self) -> str:
         parts = [f"{k}: MAPE {self.mape[k]:.2%}, R^2 {self.r2[k]:.4f}" for k in self.mape]
-        return f"cost-model fit on {self.samples} micro-batches; " + "; ".join(parts)
+        text = f"cost-model fit on {self.samples} micro-batches"
+        if self.skipped:
+            text += f" ({self.skipped} records without the pack features skipped)"
+        if self.timed:
+            text += " (timed: " + ", ".join(f"{k} {v}" for k, v in self.timed.items()) + ")"
+        text += "; " + "; ".join(parts)
+        kept = {k: v for k, v in self.kept.items() if v}
+        if kept:
+            text += "; kept the prior (not determined by these records) for " + "; ".join(
+                f"{k}: {', '.join(v)}" for k, v in kept.items()
+            )
+        return text
 
 
 @dataclass(kw_only=True)
@@ -129,14 +153,28 @@ class CostModel:
 
     def __post_init__(self) -> None:
         merged = _default_coefficients()
+        if not isinstance(self.coefficients, Mapping):
+            raise ValueError(
+                "`CostModel`: coefficients must be a mapping {phase: {term: ms per unit}}, got"
+                f" {type(self.coefficients).__name__}"
+            )
         for phase, terms in self.coefficients.items():
             if phase not in merged:
                 raise ValueError(f"`CostModel`: unknown phase {phase!r}; phases are {PHASES}")
+            if not isinstance(terms, Mapping):
+                raise ValueError(
+                    f"`CostModel`: coefficients of {phase} must be a mapping {{term: ms per"
+                    f" unit}}, got {terms!r}"
+                )
             for term, value in terms.items():
                 if term not in merged[phase]:
                     raise ValueError(
                         f"`CostModel`: phase {phase!r} has no term {term!r};"
                         f" its terms are {_TERMS[phase]}"
+                    )
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    raise ValueError(
+                        f"`CostModel`: coefficient {phase}.{term} = {value!r} must be a number"
                     )
                 value = float(value)
                 if not (math.isfinite(value) and value >= 0.0):
@@ -182,17 +220,41 @@ class CostModel:
         errors (timing noise grows with the time) on columns scaled to unit norm. A field absent
         from every record leaves its phases unchanged.
 
+        Only what the records determine is fitted: a term that is zero in every record (a
+        vision term in text-only timings) or a combination of the terms before it (in the
+        order ``pack``, ``image_pack``, ``total_tokens``, ``image_tokens``, ``images``,
+        ``doc_sq_tokens``, ``image_sq_tokens``; e.g. ``images`` and ``image_sq_tokens`` when
+        every image has the same size as every other) keeps its current coefficient (the
+        prior), and the others are fitted to the times minus the kept terms' share. The
+        report's ``determined`` and ``kept`` name them.
+
         Returns:
             The :class:`FitReport` (errors of the fitted model on the same records).
 
         Raises:
             ValueError: if no record has the pack features and at least one measured field, a
-                measured time is negative or not finite (naming the record), or a field has
-                fewer usable records than the terms it fits. The model is unchanged then.
+                record is not a mapping, a feature is not a finite number >= 0, a measured
+                time is not a finite number >= 0 (each naming the record: its index in
+                ``records``, or its file, line and place in ``"micro"``), or a field has fewer
+                usable records than the terms it fits. The model is unchanged then.
         """
         if isinstance(records, str | Path):
-            records = read_monitor_jsonl(records)
-        rows = [r for r in records if all(r.get(f) is not None for f in FEATURES)]
+            records, sources = _read_monitor_records(records)
+        else:
+            records = list(records)
+            sources = [f"record {i}" for i in range(len(records))]
+        rows, where = [], []
+        for rec, src in zip(records, sources):
+            if not isinstance(rec, Mapping):
+                raise ValueError(
+                    f"CostModel.fit: {src} is not a micro-batch record (a mapping of pack"
+                    f" features and times), got {type(rec).__name__}"
+                )
+            if all(rec.get(f) is not None for f in FEATURES):
+                for f in FEATURES:
+                    _check_number(rec[f], f, src)
+                rows.append(rec)
+                where.append(src)
         if not rows:
             raise ValueError(
                 "CostModel.fit: no micro-batch record has the pack features"
@@ -200,31 +262,35 @@ class CostModel:
             )
         terms = _term_matrix({f: [r[f] for r in rows] for f in FEATURES})
         fitted: list[str] = []
+        determined: dict[str, tuple[str, ...]] = {}
+        kept: dict[str, tuple[str, ...]] = {}
         new = {phase: dict(terms_) for phase, terms_ in self.coefficients.items()}
         for measured, phases in _MEASURED.items():
             have = np.array([r.get(measured) is not None for r in rows])
             if not have.any():
                 continue
-            names = [t for p in phases for t in _TERMS[p]]
-            cols = [_ALL_TERMS.index(t) for t in names]
+            for i in np.flatnonzero(have):
+                _check_number(rows[i][measured], measured, where[i], what="time")
+            pairs = [(p, t) for p in phases for t in _TERMS[p]]
+            cols = [_ALL_TERMS.index(t) for _, t in pairs]
             A = terms[have][:, cols]
             y = np.array([r[measured] for r, h in zip(rows, have) if h], dtype=np.float64)
-            bad = ~np.isfinite(y) | (y < 0)
-            if bad.any():
-                i = int(np.flatnonzero(have)[np.flatnonzero(bad)[0]])
-                raise ValueError(
-                    f"CostModel.fit: record {i} has {measured} = {rows[i][measured]!r}"
-                    " (must be a finite time >= 0)"
-                )
             if len(y) < len(cols):
                 raise ValueError(
                     f"CostModel.fit: {measured} has {len(y)} records, fewer than the"
                     f" {len(cols)} terms it fits"
                 )
-            coef = _scaled_nnls(A, y)
-            for term_at, (phase, term) in enumerate((p, t) for p in phases for t in _TERMS[p]):
-                new[phase][term] = float(coef[term_at])
+            prior = np.array([self.coefficients[p][t] for p, t in pairs])
+            live = _determined_columns(A, y, [t for _, t in pairs])
+            coef = prior.copy()
+            # the kept terms' share at their prior; the determined terms fit the rest
+            rest = y - A[:, ~live] @ prior[~live]
+            coef[live] = _scaled_nnls(A[:, live], rest, weight_of=y)
+            for (phase, term), value in zip(pairs, coef):
+                new[phase][term] = float(value)
             fitted.append(measured)
+            determined[measured] = tuple(t for (_, t), ok in zip(pairs, live) if ok)
+            kept[measured] = tuple(t for (_, t), ok in zip(pairs, live) if not ok)
         if not fitted:
             raise ValueError(
                 "CostModel.fit: no record has a measured time"
@@ -232,7 +298,8 @@ class CostModel:
                 " LLM modules?"
             )
         self.coefficients = new  # all fields fitted: only now replace the model
-        return self.evaluate(rows, fitted=tuple(fitted))
+        report = self.evaluate(rows, fitted=tuple(fitted))
+        return replace(report, determined=determined, kept=kept, skipped=len(records) - len(rows))
 
     def evaluate(
         self, records: Iterable[Mapping[str, Any]], fitted: tuple[str, ...] = tuple(_MEASURED)
@@ -242,13 +309,15 @@ class CostModel:
         pred = self.predict({f: [r[f] for r in rows] for f in FEATURES})
         mape: dict[str, float] = {}
         r2: dict[str, float] = {}
+        timed: dict[str, int] = {}
         complete = np.ones(len(rows), dtype=bool)
         total_y = np.zeros(len(rows))
         total_p = np.zeros(len(rows))
         for measured, phases in _MEASURED.items():
             if measured not in fitted:
                 continue
-            have = np.array([r.get(measured) is not None for r in rows])
+            have = np.array([r.get(measured) is not None for r in rows], dtype=bool)
+            timed[measured] = int(have.sum())
             complete &= have
             y = np.array([r[measured] if h else 0.0 for r, h in zip(rows, have)])
             p = np.sum([pred[ph] for ph in phases], axis=0)
@@ -257,7 +326,7 @@ class CostModel:
             total_p += p
         if complete.any():
             mape["total_ms"], r2["total_ms"] = _errors(total_y[complete], total_p[complete])
-        return FitReport(samples=len(rows), mape=mape, r2=r2, fitted=fitted)
+        return FitReport(samples=len(rows), mape=mape, r2=r2, fitted=fitted, timed=timed)
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -266,23 +335,47 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
+        """The model of :meth:`to_dict`'s output.
+
+        Raises:
+            ValueError: for data that is not an object of this format and version, without a
+                ``"coefficients"`` object of objects, or with a bad phase, term or value.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"CostModel.from_dict: expected a JSON object, got {type(data).__name__}"
+            )
         if data.get("version") != _FORMAT_VERSION or data.get("unit") != "ms":
             raise ValueError(
                 f"CostModel.from_dict: expected version {_FORMAT_VERSION} in ms, got"
                 f" version={data.get('version')!r} unit={data.get('unit')!r}"
             )
-        return cls(coefficients={p: dict(t) for p, t in data["coefficients"].items()})
+        coefficients = data.get("coefficients")
+        if not isinstance(coefficients, Mapping):
+            raise ValueError(
+                'CostModel.from_dict: expected "coefficients": {phase: {term: ms per unit}},'
+                f" got {coefficients!r}"[:200]
+            )
+        return cls(
+            coefficients={
+                p: dict(t) if isinstance(t, Mapping) else t for p, t in coefficients.items()
+            }
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
+        """The model saved at ``path`` (errors name the file)."""
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"CostModel.load: {path} is not JSON: {err}") from err
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"CostModel.load: {path}: {err}") from err
 
 
 _ALL_TERMS: tuple[str, ...] = (*_VISION_TERMS, *_LLM_TERMS)
@@ -314,14 +407,16 @@ def _errors(y: np.ndarray, p: np.ndarray) -> tuple[float, float]:
     return mape, (1.0 - ss_res / ss_tot) if ss_tot > 0 else float("nan")
 
 
-def _scaled_nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _scaled_nnls(A: np.ndarray, y: np.ndarray, weight_of: np.ndarray | None = None) -> np.ndarray:
     """NNLS of *relative* errors on unit-norm columns.
 
     Timing noise is roughly proportional to the time, so each row is divided by its measured
-    value (a row measuring 0 ms by the median instead); the columns span ~10
-    orders of magnitude and are scaled to unit norm. All-zero columns get a zero coefficient.
+    value ``weight_of`` (default ``y``; a row measuring 0 ms by the median instead); the columns
+    span ~10 orders of magnitude and are scaled to unit norm. All-zero columns get a zero
+    coefficient.
     """
-    weight = 1.0 / np.where(y > 0, y, np.median(y[y > 0]) if (y > 0).any() else 1.0)
+    t = y if weight_of is None else weight_of
+    weight = 1.0 / np.where(t > 0, t, np.median(t[t > 0]) if (t > 0).any() else 1.0)
     A = A * weight[:, None]
     y = y * weight
     norms = np.linalg.norm(A, axis=0)
@@ -330,6 +425,54 @@ def _scaled_nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     if live.any():
         coef[live] = nnls(A[:, live] / norms[live], y) / norms[live]
     return coef
+
+
+# A weighted, unit-norm column closer than this to the span of the columns chosen before it is
+# taken as a combination of them: the records cannot tell its coefficient from theirs.
+_DETERMINED_TOL = 1e-6
+# The order in which terms are taken when some are combinations of others: fixed costs first,
+# then the per-token terms (the main cost), per-image counts, then the quadratic terms.
+_FIT_ORDER = (
+    "pack",
+    "image_pack",
+    "total_tokens",
+    "image_tokens",
+    "images",
+    "doc_sq_tokens",
+    "image_sq_tokens",
+)
+
+
+def _determined_columns(A: np.ndarray, y: np.ndarray, names: list[str]) -> np.ndarray:
+    """Which columns of ``A`` the records determine: a greedy pivoted Gram-Schmidt in
+    ``_FIT_ORDER`` on the columns as :func:`_scaled_nnls` weights and scales them; a column
+    (nearly) in the span of those taken before it is not determined."""
+    weight = 1.0 / np.where(y > 0, y, np.median(y[y > 0]) if (y > 0).any() else 1.0)
+    W = A * weight[:, None]
+    norms = np.linalg.norm(W, axis=0)
+    live = np.zeros(A.shape[1], dtype=bool)
+    basis: list[np.ndarray] = []
+    for j in sorted(range(A.shape[1]), key=lambda j: _FIT_ORDER.index(names[j])):
+        if norms[j] == 0:
+            continue
+        v = W[:, j] / norms[j]
+        for b in basis:  # twice, for numerical stability
+            v = v - (b @ v) * b
+        for b in basis:
+            v = v - (b @ v) * b
+        residual = float(np.linalg.norm(v))
+        if residual > _DETERMINED_TOL:
+            basis.append(v / residual)
+            live[j] = True
+    return live
+
+
+def _check_number(value: Any, name: str, where: str, what: str = "feature") -> None:
+    """A finite number >= 0, or a ValueError naming the record."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (ok and math.isfinite(float(value)) and float(value) >= 0):
+        must = "a finite time >= 0" if what == "time" else "a finite number >= 0"
+        raise ValueError(f"CostModel.fit: {where} has {name} = {value!r} (must be {must})")
 
 
 def nnls(A: np.ndarray, y: np.ndarray, max_iter: int | None = None) -> np.ndarray:
@@ -369,14 +512,20 @@ def read_monitor_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The micro-batch records of StragglerMonitor JSON-lines files (a file or a folder).
 
     Raises:
-        ValueError: for a line that is not a JSON object (naming the file and line), or when
-            no file is found.
+        ValueError: for a line that is not a JSON object or whose ``"micro"`` is not a list of
+            objects (naming the file and line), or when no file is found.
     """
+    return _read_monitor_records(path)[0]
+
+
+def _read_monitor_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """:func:`read_monitor_jsonl`, and where each record was: ``"FILE:LINE micro[J]"``."""
     path = Path(path)
     files = sorted(path.glob("rank_*.jsonl")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
         raise ValueError(f"read_monitor_jsonl: no StragglerMonitor JSON-lines file at {path}")
     records: list[dict[str, Any]] = []
+    sources: list[str] = []
     for f in files:
         with open(f) as fh:
             for lineno, line in enumerate(fh, 1):
@@ -388,8 +537,15 @@ def read_monitor_jsonl(path: str | Path) -> list[dict[str, Any]]:
                     raise ValueError(f"{f}:{lineno}: not JSON ({err})") from err
                 if not isinstance(step, dict):
                     raise ValueError(f"{f}:{lineno}: expected a JSON object")
-                records.extend(step.get("micro", []))
-    return records
+                micro = step.get("micro", [])
+                if not isinstance(micro, list) or not all(isinstance(m, dict) for m in micro):
+                    raise ValueError(
+                        f'{f}:{lineno}: "micro" must be a list of micro-batch objects, got'
+                        f" {json.dumps(micro)[:80]}"
+                    )
+                records.extend(micro)
+                sources.extend(f"{f}:{lineno} micro[{j}]" for j in range(len(micro)))
+    return records, sources
 
 
 _META_KEYS = ("total_tokens", "image_tokens", "images", "doc_lens", "image_sizes")

@@ -28,7 +28,8 @@ is the balanced largest differencing method and phase 2 repairs the baseline wit
 re-solving a growing neighbourhood of ranks when swaps do not reach the budget. With ``K > 1``
 phase 1 cuts runs of ``R*K`` packs, fills each run's micro-batches heaviest pack to lightest
 rank, and phase 2 relabels micro-batches to the ranks holding most of their packs (tolerance and
-the ``"both"`` tie-break unused).
+the ``"both"`` tie-break unused). Whatever the objective, a plan no better than the baseline is
+replaced by the baseline (no moves): a heuristic phase 1 can be worse than not moving.
 
 Phase 2 for ``"microstep"`` (docs/rebalancing.md has the argument): give micro-step ``m`` a cap
 ``cap_G[m]`` (the phase-1 run heads, raised within the tolerance budget). A pack may run in any
@@ -81,7 +82,8 @@ class RebalancePlan:
         objective: ``"microstep"``, ``"step"`` or ``"both"``.
         value: the objective's value of the plan (same unit as the costs).
         baseline_value: its value without rebalancing.
-        optimal_value: phase 1's value (the best placement found, ignoring moves).
+        optimal_value: the best value found ignoring moves: phase 1's, or the baseline's where
+            that is lower (phase 1 is a heuristic for ``"step"`` and with ``K > 1``).
         lower_bound: a value no placement can beat (equal to ``optimal_value`` for
             ``"microstep"``/``"both"`` with one pack per micro-batch).
         mean_rank_cost: total cost over ``R``: the step time of a perfectly balanced batch.
@@ -201,6 +203,16 @@ def plan_rebalance(
     primary = "step" if objective == "step" else "microstep"
     rank_of = _rank_of(assignment)
     moved = np.flatnonzero(rank_of != origin_N)
+    # phase 1 is a heuristic for "step" and for K > 1 and may be worse than not moving at all
+    # (e.g. sorted runs of R*K packs split a well-balanced baseline): then keep the baseline,
+    # which also moves nothing; at an equal value the baseline wins too (no exchange)
+    plan_key = _objective_key(cost_RG, objective)
+    baseline_key = _objective_key(baseline_cost_RG, objective)
+    if plan_key > baseline_key or (plan_key == baseline_key and len(moved)):
+        assignment, cost_RG = baseline_RGK, baseline_cost_RG
+        rank_of = origin_N
+        moved = np.zeros(0, dtype=np.int64)
+    optimal = min(optimal, _value(baseline_cost_RG, primary))
     moves_M3 = np.stack([moved, origin_N[moved], rank_of[moved]], axis=1).astype(np.int64)
     return RebalancePlan(
         assignment=assignment,
@@ -337,6 +349,14 @@ def _value(cost_RG: np.ndarray, objective: str) -> int:
     if objective == "step":
         return int(cost_RG.sum(axis=1).max())
     return int(cost_RG.max(axis=0).sum())
+
+
+def _objective_key(cost_RG: np.ndarray, objective: str) -> tuple[int, ...]:
+    """What the objective minimises, as a tuple to compare (``"both"``: the per-rank totals
+    break ties of the micro-step sum)."""
+    if objective == "both":
+        return (_value(cost_RG, "microstep"), _value(cost_RG, "step"))
+    return (_value(cost_RG, objective),)
 
 
 def _budget(value: int, tolerance: float) -> int:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -90,13 +92,49 @@ def comma_list(
     return parse
 
 
+def number(
+    item: Callable[[str], Any] = int,
+    *,
+    minimum: Any = None,
+    maximum: Any = None,
+    above: Any = None,
+) -> Callable[[str], Any]:
+    """An argparse ``type`` for one finite number in a range (argparse names the flag).
+
+    Args:
+        item: ``int`` or ``float``.
+        minimum, maximum: inclusive bounds, if any.
+        above: an exclusive lower bound, if any (``above=0``: positive).
+    """
+    kind = "an integer" if item is int else "a number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = item(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if above is not None and not value > above:
+            raise argparse.ArgumentTypeError(f"expected {kind} > {above}, got {text!r}")
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {kind} >= {minimum}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected {kind} <= {maximum}, got {text!r}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlmbalance-sim", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate a sweep")
     run.add_argument("--data", action="append", type=Path, required=True, metavar="CSV")
-    run.add_argument("--text-share", type=float, default=None, metavar="F")
-    run.add_argument("--seq-len", type=int, default=8192)
+    run.add_argument(
+        "--text-share", type=number(float, minimum=0.0, maximum=1.0), default=None, metavar="F"
+    )
+    run.add_argument("--seq-len", type=number(int, minimum=1), default=8192)
     run.add_argument("--dp", type=comma_list(int, minimum=1), default=[8, 64, 512])
     run.add_argument("--ga", type=comma_list(int, minimum=1), default=[1, 8])
     run.add_argument(
@@ -106,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="any of off, sync, overlap, budget, source (default: all but source)",
     )
     run.add_argument("--cost-model", type=Path, default=None, metavar="FILE")
-    run.add_argument("--batches", type=int, default=32, help="global batches per configuration")
+    run.add_argument(
+        "--batches",
+        type=number(int, minimum=1),
+        default=32,
+        help="global batches per configuration",
+    )
     run.add_argument(
         "--training-strategy",
         choices=tuple(SYNC_OF_STRATEGY),
@@ -120,8 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="override the synchronisation of --training-strategy",
     )
-    run.add_argument("--bandwidth-gb-s", type=float, default=ExchangeModel.bandwidth_gb_s)
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--bandwidth-gb-s", type=number(float, above=0.0), default=ExchangeModel.bandwidth_gb_s
+    )
+    run.add_argument("--seed", type=number(int, minimum=0), default=0)
     run.add_argument("--plot", type=Path, default=Path("vlmbalance_sim.png"), metavar="PNG")
     run.add_argument("--no-plot", action="store_true")
     run.add_argument("--no-progress", action="store_true")
@@ -158,6 +203,8 @@ def _run(args: argparse.Namespace) -> int:
             f"`--training-strategy {args.training_strategy}` synchronises every"
             f" {SYNC_OF_STRATEGY[args.training_strategy]}, not `--sync-every {args.sync_every}`"
         )
+    if not args.no_plot:
+        check_plot_path(args.plot)  # before the sweep: a bad path must not waste it
     table = read_length_csv(*args.data)
     if args.text_share is not None:
         table = resample_text_share(table, args.text_share, args.seed)
@@ -185,21 +232,52 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    # the table first: a plot that fails after all does not lose it
+    if args.json:
+        print(json.dumps(rows), flush=True)
+    else:
+        print(" ".join(name for name, _ in _COLUMNS))
+        for row in rows:
+            print(
+                " ".join(fmt.format(row[k]) if row[k] is not None else "-" for k, fmt in _COLUMNS)
+            )
+        sys.stdout.flush()
     if not args.no_plot:
         plot(rows, args.plot)
-    if args.json:
-        print(json.dumps(rows))
-        return 0
-    print(" ".join(name for name, _ in _COLUMNS))
-    for row in rows:
-        print(" ".join(fmt.format(row[k]) if row[k] is not None else "-" for k, fmt in _COLUMNS))
-    if not args.no_plot:
-        print(f"plot: {args.plot}")
+        if not args.json:
+            print(f"plot: {args.plot}")
     return 0
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Waste and gain against the data-parallel size, one line per (strategy, ga)."""
+def check_plot_path(path: Path) -> None:
+    """Refuses a ``--plot`` path that :func:`plot` could not write: no matplotlib, a folder
+    that does not exist or cannot be written, or a file type matplotlib cannot save.
+
+    Raises:
+        ValueError: naming ``--plot`` and the path.
+    """
+    plt = _pyplot()
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"`--plot {path}` is a folder; give a file name such as sim.png")
+    if not folder.is_dir():
+        raise ValueError(f"`--plot {path}`: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"`--plot {path}`: the folder {folder} is not writable")
+    suffix = path.suffix.lstrip(".").lower()
+    fig = plt.figure()
+    try:
+        supported = fig.canvas.get_supported_filetypes()
+    finally:
+        plt.close(fig)
+    if suffix and suffix not in supported:
+        raise ValueError(
+            f"`--plot {path}`: matplotlib cannot write .{suffix} files; use one of"
+            f" {', '.join(sorted(supported))}"
+        )
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -209,6 +287,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         raise ValueError(
             "--plot needs matplotlib (pip install matplotlib) or pass --no-plot"
         ) from err
+    return plt
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Waste and gain against the data-parallel size, one line per (strategy, ga)."""
+    plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     keys = sorted({(r["strategy"], r["ga"]) for r in rows}, key=lambda k: (k[1], k[0]))
     colors = {s: f"C{i}" for i, s in enumerate(ALL_STRATEGIES)}

@@ -14,7 +14,16 @@ Strategies: ``off`` (the packs where the sampler put them); ``sync`` and ``overl
 planner moves whole packs; the exchange costs ``bytes / bandwidth + latency x messages`` per rank,
 plus a planning time, exposed in full when synchronous and only beyond the previous step's compute
 when overlapped); ``budget`` (packs built with an image-token budget per pack: better balanced
-packs, worse packing efficiency, no rebalancing).
+packs, worse packing efficiency, no rebalancing); ``source`` (``PackingSampler(balance=...)``:
+global batches formed balanced at the source).
+
+What each row is measured on (its ``samples`` field): ``off``, ``sync`` and ``overlap`` compute
+the same drawn global batches; ``source`` re-forms exactly the samples of those batches (a pack
+drawn twice gives its samples twice) into a whole source-balanced epoch, whose batch count may
+differ by one or two (its last global batch is padded, as the sampler pads it). So these four
+rows process the same tokens (``samples="off"``) and their gains are balance alone, not a luckier
+draw. ``budget`` draws from its own packs (``samples="own"``; samples above the budget are left
+out), so its gain also holds a different sample of the mix.
 
 Global batches are either drawn uniformly from the pack pool of the whole mix (``replay=False``:
 any ``dp``), or replayed exactly as the distributed sampler deals them
@@ -25,6 +34,7 @@ every rank), which is how the emulated benchmark runs and what validation compar
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +46,11 @@ from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
+from lightning_vlmbalance.packing.plan import (
+    as_length_column,
+    check_image_counts,
+    check_length_table,
+)
 from lightning_vlmbalance.synthetic import LengthTable
 
 __all__ = [
@@ -64,6 +79,10 @@ class ExchangeModel:
         image_token_bytes: pixel bytes per image token (14 x 14 patches, 3 channels, bfloat16,
             2 x 2 merge: 4,704).
         plan_ms: planning time per global batch (the planner's measured 5-30 ms at 16k packs).
+
+    Raises:
+        ValueError: for a bandwidth that is not a finite number > 0, or a latency, byte count
+            or planning time that is not a finite number >= 0 (naming the setting).
     """
 
     bandwidth_gb_s: float = 25.0
@@ -71,6 +90,15 @@ class ExchangeModel:
     text_token_bytes: int = 24
     image_token_bytes: int = 4704
     plan_ms: float = 5.0
+
+    def __post_init__(self) -> None:
+        bw = self.bandwidth_gb_s
+        if not (isinstance(bw, numbers.Real) and math.isfinite(bw) and bw > 0):
+            raise ValueError(f"`ExchangeModel(bandwidth_gb_s={bw!r})` must be a finite number > 0")
+        for name in ("latency_ms", "text_token_bytes", "image_token_bytes", "plan_ms"):
+            v = getattr(self, name)
+            if not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"`ExchangeModel({name}={v!r})` must be a finite number >= 0")
 
     def exchange_ms(self, moves: np.ndarray, pack_bytes: np.ndarray, world: int) -> float:
         """Milliseconds until every rank has sent and received its moved packs."""
@@ -103,10 +131,13 @@ class StepOverhead:
         ``global_step``, ``step_ms``, ``micro`` and a ``run`` key telling runs apart.
 
         Raises:
-            ValueError: with fewer than two distinct world sizes (naming what it got).
+            ValueError: with fewer than two distinct world sizes (naming what it got), or for a
+                record without those keys or whose ``micro`` is not a list of objects with the
+                three times (naming the record's index).
         """
         groups: dict[tuple[Any, int], list[Mapping[str, Any]]] = {}
-        for rec in steps:
+        for i, rec in enumerate(steps):
+            _check_step_record(rec, i)
             groups.setdefault((rec["run"], int(rec["global_step"])), []).append(rec)
         xs, ys = [], []
         for recs in groups.values():
@@ -123,6 +154,31 @@ class StepOverhead:
             )
         slope, base = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
         return cls(float(base), float(slope))
+
+
+_STEP_KEYS = ("run", "world_size", "global_step", "step_ms", "micro")
+_MICRO_TIMES = ("vision_fwd_ms", "llm_fwd_ms", "backward_ms")
+
+
+def _check_step_record(rec: Any, i: int) -> None:
+    """A StragglerMonitor step record as :meth:`StepOverhead.fit` reads it, or a ValueError
+    naming record ``i``."""
+    if not isinstance(rec, Mapping):
+        raise ValueError(f"StepOverhead.fit: record {i} is not a mapping: {rec!r}"[:200])
+    missing = [k for k in _STEP_KEYS if k not in rec]
+    if missing:
+        raise ValueError(f"StepOverhead.fit: record {i} has no {missing[0]!r} (needs {_STEP_KEYS})")
+    micro = rec["micro"]
+    if not isinstance(micro, list) or not all(isinstance(m, Mapping) for m in micro):
+        raise ValueError(
+            f'StepOverhead.fit: record {i}: "micro" must be a list of micro-batch objects,'
+            f" got {micro!r}"[:200]
+        )
+    for j, m in enumerate(micro):
+        for key in _MICRO_TIMES:
+            if not isinstance(m.get(key), numbers.Real) or isinstance(m.get(key), bool):
+                got = f"{key} = {m[key]!r}" if key in m else f"no {key!r}"
+                raise ValueError(f"StepOverhead.fit: record {i}: micro[{j}] has {got}")
 
 
 def _expected_max_std_normal(n: int) -> float:
@@ -169,13 +225,16 @@ class _Pool:
             packer=packer,
             image_budget=image_budget,
         )
+        rows = np.arange(len(total))
         if packer == "budget":  # a sample above the budget cannot be packed at all: leave it out
-            keep = image <= (image_budget or 0)
-            total, image, images = total[keep], image[keep], images[keep]
+            rows = np.flatnonzero(image <= (image_budget or 0))
+            total, image, images = total[rows], image[rows], images[rows]
         plan = build_epoch_plan(total, image, config, world_size=world_size, epoch=0)
         self.plan = plan
         flat = [ids for rank in plan.rank_packs for ids in rank]
-        feats = features_from_packs(Packs.from_lists(flat), total, image, images)
+        self.packs = Packs.from_lists(flat)
+        self.rows = rows  # table row of each sample index of the packs
+        feats = features_from_packs(self.packs, total, image, images)
         self.cost_ms = cost_model.pack_cost_ms(feats)
         self.tokens = feats["total_tokens"]
         self.image_tokens = feats["image_tokens"]
@@ -188,6 +247,15 @@ class _Pool:
             float(self.tokens[real].sum() / (real.sum() * seq_len)) if real.any() else 0.0
         )
         self.per_rank = plan.packs_per_rank
+
+    def table_rows(self, draws: Sequence[np.ndarray]) -> np.ndarray:
+        """The table rows of every sample in the drawn packs (a pack drawn twice counts twice)."""
+        drawn = np.concatenate(list(draws)) if len(draws) else np.zeros(0, dtype=np.int64)
+        sizes = self.packs.sizes()[drawn]
+        starts = self.packs.offsets[drawn]
+        # position j of drawn pack i: starts[i] + j, for j < sizes[i]
+        first = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+        return self.rows[self.packs.positions[first + np.arange(int(sizes.sum()))]]
 
     def replay_batches(self, world: int, ga: int, skip: int, count: int) -> list[np.ndarray]:
         """Global batches as the sampler deals them: (world*ga,) pack indices, rank-major."""
@@ -207,12 +275,14 @@ class _Pool:
 
 class _SourcePool:
     """The packs of a source-balanced sampler (:mod:`lightning_vlmbalance.packing.source`) for
-    one ``(dp, ga)``, and its first ``batches`` global batches as formed and placed. The mix is
-    repeated (the same samples again) where it holds fewer than ``batches`` global batches."""
+    one ``(dp, ga)`` over the given table rows (the samples of ``off``'s global batches), and
+    all of its global batches, as formed and placed: a whole epoch of exactly those samples
+    (the last global batch padded with empty packs, as the sampler does)."""
 
     def __init__(
         self,
         table: LengthTable,
+        rows: np.ndarray,
         seq_len: int,
         cost_model: CostModel,
         exchange: ExchangeModel,
@@ -220,17 +290,12 @@ class _SourcePool:
         G: int,
         seed: int,
         objective: str,
-        batches: int,
     ) -> None:
         from lightning_vlmbalance.packing.source import SourceBalance, build_balanced_epoch_plan
 
-        total = np.asarray(table.total_tokens, dtype=np.int64)
-        image = np.asarray(table.image_tokens, dtype=np.int64)
-        images = np.asarray(table.images, dtype=np.int64)
-        fits = total <= seq_len
-        need = (batches + 1) * R * G * seq_len
-        reps = max(1, -(-need // max(int(total[fits].sum()), 1)))
-        total, image, images = (np.tile(x[fits], reps) for x in (total, image, images))
+        total = np.asarray(table.total_tokens, dtype=np.int64)[rows]
+        image = np.asarray(table.image_tokens, dtype=np.int64)[rows]
+        images = np.asarray(table.images, dtype=np.int64)[rows]
         plan = build_balanced_epoch_plan(
             total,
             image,
@@ -243,9 +308,8 @@ class _SourcePool:
             ),
             cost_model=cost_model,
         )
-        n_batches = min(batches, plan.packs_per_rank // G)
         flat, self.draws = [], []
-        for k in range(n_batches):
+        for k in range(plan.packs_per_rank // G):
             idx = []
             for r in range(R):
                 for m in range(G):
@@ -298,9 +362,10 @@ def simulate(
         seq_len: tokens per pack.
         cost_model: per-pack cost (default :class:`CostModel`; calibrate with ``CostModel.fit``).
         dp, ga: data-parallel sizes and micro-steps per optimizer step.
-        strategies: any of ``off``, ``sync``, ``overlap``, ``budget``.
+        strategies: any of ``off``, ``sync``, ``overlap``, ``budget``, ``source``.
         exchange: the exchange cost model.
-        batches: global batches per configuration.
+        batches: global batches per configuration (``source`` runs the global batches that
+            the samples of these form).
         seed: seed of the packing shuffle and of the batch draws (same seed, same rows).
         sync_every: ``"step"`` or ``"microstep"`` (see the module docstring).
         image_budget: image tokens per pack of ``budget`` (default: the mean image tokens of a
@@ -316,10 +381,14 @@ def simulate(
     Returns:
         One dict per configuration: ``strategy``, ``dp``, ``ga``, ``step_ms`` (mean),
         ``step_p95_ms``, ``ideal_step_ms`` (every rank at the mean load), ``waste_frac``
-        (1 - ideal / step), ``tokens_per_s_per_rank``, ``packing_efficiency``, ``moved_packs``
-        (mean per global batch), ``exposed_exchange_ms``, ``gain`` (tokens/s over ``off``'s,
-        minus 1: for ``budget`` its fuller-but-fewer packs count; ``None`` without ``off``),
-        ``closed_form_waste`` (``off`` only).
+        (1 - ideal / step), ``batches`` (global batches run), ``tokens`` (tokens in them),
+        ``samples`` (``"off"``: the samples of ``off``'s global batches; ``"own"``: ``budget``'s
+        own draws; see the module docstring), ``tokens_per_s_per_rank`` (the whole run's tokens
+        over its time), ``packing_efficiency``, ``moved_packs`` (mean per global batch),
+        ``exposed_exchange_ms``, ``gain`` (tokens/s over ``off``'s, minus 1: on the same tokens
+        where ``samples="off"``; for ``budget`` its fuller-but-fewer packs count; ``None``
+        without ``off``), ``closed_form_waste`` (``off`` only), and for ``source``
+        ``bound_step_ms`` and ``waste_vs_bound``.
 
     Raises:
         ValueError: for an unknown strategy or sync mode, or a mix too small to replay.
@@ -333,6 +402,7 @@ def simulate(
         raise ValueError(f"simulate(sync_every={sync_every!r}): expected one of {SYNC_EVERY}")
     if batches < 1 or min(dp) < 1 or min(ga) < 1:
         raise ValueError("simulate: batches, dp and ga must be >= 1")
+    _check_table(table)
     cost_model = cost_model or CostModel()
     exchange = exchange or ExchangeModel()
     overhead = step_overhead or StepOverhead()
@@ -356,31 +426,51 @@ def simulate(
         for G in ga:
             group = []
             for strategy in strategies:
-                if strategy == "source":
+                if strategy == "source":  # the samples of off's global batches, re-formed
+                    greedy = pool("greedy", R)
+                    rows_of_off = greedy.table_rows(
+                        _draws(greedy, R, G, batches, seed, replay, replay_skip)
+                    )
                     p = _SourcePool(
-                        table, seq_len, cost_model, exchange, R, G, seed, plan.objective, batches
+                        table,
+                        rows_of_off,
+                        seq_len,
+                        cost_model,
+                        exchange,
+                        R,
+                        G,
+                        seed,
+                        plan.objective,
                     )
                     draws = p.draws
                 else:
                     p = pool("budget" if strategy == "budget" else "greedy", R)
                     draws = _draws(p, R, G, batches, seed, replay, replay_skip)
-                group.append(
-                    _run(
-                        strategy,
-                        p,
-                        draws,
-                        R,
-                        G,
-                        sync_objective,
-                        plan,
-                        exchange,
-                        overhead(R),
-                        progress,
-                    )
+                row = _run(
+                    strategy,
+                    p,
+                    draws,
+                    R,
+                    G,
+                    sync_objective,
+                    plan,
+                    exchange,
+                    overhead(R),
+                    progress,
                 )
+                row["samples"] = "own" if strategy == "budget" else "off"
+                group.append(row)
             _add_gains(group, pool("greedy", R).cost_ms, R, G, sync_every)
             rows.extend(group)
     return rows
+
+
+def _check_table(table: LengthTable) -> None:
+    """The length table's columns agree, or a ValueError naming the first bad sample."""
+    total = as_length_column(table.total_tokens, "total_tokens")
+    image = as_length_column(table.image_tokens, "image_tokens")
+    check_length_table(total, image)
+    check_image_counts(as_length_column(table.images, "images"), image)
 
 
 def _draws(
@@ -466,6 +556,8 @@ def _run(
         tokens.append(float(p.tokens[draw].sum()))
         if progress is not None:
             progress(1)
+    # whole-run figures: tokens/s is the total tokens over the total time (source may run a
+    # different number of global batches over the same samples)
     step_ms = float(np.mean(steps))
     ideal = float(np.mean(ideals))
     extra = {}
@@ -480,6 +572,8 @@ def _run(
         "step_p95_ms": float(np.percentile(steps, 95)),
         "ideal_step_ms": ideal,
         "waste_frac": 1.0 - ideal / step_ms if step_ms > 0 else 0.0,
+        "batches": len(steps),
+        "tokens": int(np.sum(tokens)),
         "tokens_per_s_per_rank": float(np.mean(tokens)) / R / (step_ms / 1e3) if step_ms else 0.0,
         "packing_efficiency": p.efficiency,
         "moved_packs": float(np.mean(moved)) if moved else 0.0,

@@ -212,3 +212,143 @@ def test_fit_rejects_bad_times_and_leaves_the_model_unchanged() -> None:
     with pytest.raises(ValueError, match="backward_ms has 3 records"):
         model.fit(few)
     assert model.coefficients == before
+
+
+def _timed(feats: dict[str, np.ndarray], truth: CostModel) -> list[dict]:
+    """Noise-free monitor records of ``truth`` on ``feats``."""
+    ms = truth.predict(feats)
+    n = len(feats["total_tokens"])
+    return [
+        {
+            **{f: int(feats[f][i]) for f in FEATURES},
+            "vision_fwd_ms": float(ms["vision_fwd"][i]),
+            "llm_fwd_ms": float(ms["llm_fwd"][i]),
+            "backward_ms": float(ms["vision_bwd"][i] + ms["llm_bwd"][i]),
+        }
+        for i in range(n)
+    ]
+
+
+def _image_features(images: np.ndarray, per_image: np.ndarray, rng) -> dict[str, np.ndarray]:
+    image_tokens = images * per_image
+    total = image_tokens + rng.integers(200, 6000, len(images))
+    return {
+        "total_tokens": total,
+        "image_tokens": image_tokens,
+        "images": images,
+        "image_sq_tokens": images * per_image**2,
+        "doc_sq_tokens": total**2 // rng.integers(1, 12, len(images)),
+    }
+
+
+def test_fit_on_text_only_records_keeps_the_vision_prior() -> None:
+    """Records without images cannot determine a vision coefficient: every one keeps its prior
+    (a 3,000-image-token pack still costs what the prior says, not 0), and the report names the
+    terms it fitted and those it kept."""
+    rng = np.random.default_rng(0)
+    n = 300
+    zeros = np.zeros(n, dtype=np.int64)
+    truth = CostModel(coefficients={"llm_fwd": TRUE["llm_fwd"], "llm_bwd": TRUE["llm_bwd"]})
+    model = CostModel()
+    prior = {p: dict(t) for p, t in model.coefficients.items()}
+    report = model.fit(_timed(_image_features(zeros, zeros, rng), truth))
+    for phase in ("vision_fwd", "vision_bwd"):
+        assert model.coefficients[phase] == prior[phase]
+    for phase in ("llm_fwd", "llm_bwd"):
+        for term, value in TRUE[phase].items():
+            assert model.coefficients[phase][term] == pytest.approx(value, rel=1e-6)
+    pack = {
+        "total_tokens": [8192],
+        "image_tokens": [3000],
+        "images": [3],
+        "image_sq_tokens": [3 * 1000**2],
+        "doc_sq_tokens": [8192**2],
+    }
+    assert model.pack_cost_ms(pack) == pytest.approx(truth.pack_cost_ms(pack))
+    assert report.determined["vision_fwd_ms"] == ()
+    assert set(report.kept["vision_fwd_ms"]) == {
+        "image_pack",
+        "images",
+        "image_tokens",
+        "image_sq_tokens",
+    }
+    assert set(report.determined["llm_fwd_ms"]) == {"pack", "total_tokens", "doc_sq_tokens"}
+    assert "image_tokens" in report.kept["backward_ms"]
+    assert report.timed == {"vision_fwd_ms": n, "llm_fwd_ms": n, "backward_ms": n}
+    assert "kept the prior" in str(report) and "image_tokens" in str(report)
+
+
+def test_fit_on_one_image_size_keeps_the_prior_of_the_terms_it_cannot_tell_apart() -> None:
+    """With every image the same size, images, image tokens and their squares are proportional:
+    the fit determines their sum and keeps the prior split, so a model whose truth has the prior's
+    shape still predicts packs of other image sizes (not 10%+ off)."""
+    rng = np.random.default_rng(1)
+    n = 400
+    truth = CostModel()
+    for terms in truth.coefficients.values():
+        for term in terms:
+            terms[term] *= 1.7
+    same = _image_features(rng.integers(0, 6, n), np.full(n, 1024), rng)
+    model = CostModel()
+    report = model.fit(_timed(same, truth))
+    kept = set(report.kept["vision_fwd_ms"])
+    assert len(kept) == 2 and kept < {"images", "image_tokens", "image_sq_tokens"}
+    varied = _image_features(rng.integers(0, 6, n), rng.integers(64, 1800, n), rng)
+    np.testing.assert_allclose(model.pack_cost_ms(varied), truth.pack_cost_ms(varied), rtol=1e-6)
+
+
+def test_fit_names_the_input_of_a_bad_record(tmp_path) -> None:
+    """A bad record is named by its index in the records given, or by file and line."""
+    records = _records(50, noise=0.0)
+    records.insert(0, {"llm_fwd_ms": 1.0})  # no pack features: skipped, still counted
+    records[21]["backward_ms"] = -3.0
+    with pytest.raises(ValueError, match=r"record 21 has backward_ms = -3\.0"):
+        CostModel().fit(records)
+    records[21]["backward_ms"] = "fast"
+    with pytest.raises(ValueError, match=r"record 21 has backward_ms = 'fast'"):
+        CostModel().fit(records)
+    records[21]["backward_ms"] = 1.0
+    records[30]["images"] = "two"
+    with pytest.raises(ValueError, match=r"record 30 has images = 'two'"):
+        CostModel().fit(records)
+    records[30]["images"] = -1
+    with pytest.raises(ValueError, match=r"record 30 has images = -1"):
+        CostModel().fit(records)
+    records[30] = ["not", "a", "record"]
+    with pytest.raises(ValueError, match=r"record 30 is not a micro-batch record"):
+        CostModel().fit(records)
+    good = _records(12, noise=0.0)
+    bad = dict(good[5], llm_fwd_ms=float("inf"))
+    lines = [
+        json.dumps({"micro": good[:4]}),
+        "",
+        json.dumps({"micro": [good[4], bad]}),
+    ]
+    (tmp_path / "rank_0.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"rank_0\.jsonl:3 micro\[1\] has llm_fwd_ms = inf"):
+        CostModel().fit(tmp_path)
+    for micro in ({"total_tokens": 1}, [1, 2], "x"):
+        (tmp_path / "rank_0.jsonl").write_text(json.dumps({"micro": micro}) + "\n")
+        with pytest.raises(ValueError, match=r"rank_0\.jsonl:1: \"micro\" must be a list"):
+            read_monitor_jsonl(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('{"version": 1, "unit": "ms"}', '"coefficients"'),
+        ("[1, 2]", "a JSON object"),
+        ('{"version": 1, "unit": "ms", "coefficients": [1]}', '"coefficients"'),
+        ('{"version": 1, "unit": "ms", "coefficients": {"llm_fwd": 3}}', "llm_fwd"),
+        (
+            '{"version": 1, "unit": "ms", "coefficients": {"llm_fwd": {"pack": "x"}}}',
+            "llm_fwd.pack",
+        ),
+    ],
+)
+def test_bad_cost_model_files_are_named(tmp_path, text, match) -> None:
+    path = tmp_path / "cost.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match) as err:
+        CostModel.load(path)
+    assert "cost.json" in str(err.value)

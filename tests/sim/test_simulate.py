@@ -117,8 +117,15 @@ def test_cli_training_strategy_sets_the_synchronisation(tmp_path, capsys) -> Non
 
 def test_source_balancing_removes_most_of_the_waste_at_one_pack_per_rank() -> None:
     """At ga 1 no pack can move (overlap = off); balancing at the source forms even packs."""
+    # 12 batches: source re-forms the samples of off's batches, and its last global batch is
+    # partly empty padding, which weighs less in its packing efficiency the more batches run
     rows = simulate(
-        _mix(8000), seq_len=8192, dp=[8], ga=[1], batches=6, strategies=["off", "overlap", "source"]
+        _mix(8000),
+        seq_len=8192,
+        dp=[8],
+        ga=[1],
+        batches=12,
+        strategies=["off", "overlap", "source"],
     )
     by = {r["strategy"]: r for r in rows}
     assert by["overlap"]["waste_frac"] == pytest.approx(by["off"]["waste_frac"])
@@ -192,3 +199,124 @@ def test_step_overhead_fit_recovers_base_and_slope() -> None:
     assert fit(8) == pytest.approx(13.5)
     with pytest.raises(ValueError, match="two world sizes"):
         StepOverhead.fit([s for s in steps if s["world_size"] == 2])
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_source_is_measured_on_the_samples_of_off(replay) -> None:
+    """``source`` forms its global batches from exactly the samples of ``off``'s (as ``sync``
+    and ``overlap`` move them), so its gain is balance alone, not a luckier draw: every
+    same-sample row processes the tokens of ``off``, and says so."""
+    table = _mix(8000)
+    for dp, ga in ((8, 1), (4, 4)):
+        rows = simulate(
+            table,
+            seq_len=8192,
+            dp=[dp],
+            ga=[ga],
+            batches=6,
+            replay=replay,
+            strategies=["off", "overlap", "source", "budget"],
+        )
+        by = {r["strategy"]: r for r in rows}
+        for strategy in ("off", "overlap", "source"):
+            assert by[strategy]["samples"] == "off", strategy
+            assert by[strategy]["tokens"] == by["off"]["tokens"], (strategy, dp, ga)
+        assert by["budget"]["samples"] == "own"
+        # the gain is the whole run's tokens/s over off's, on the same tokens
+        ratio = by["off"]["step_ms"] * by["off"]["batches"]
+        ratio /= by["source"]["step_ms"] * by["source"]["batches"]
+        assert by["source"]["gain"] == pytest.approx(ratio - 1.0)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--bandwidth-gb-s", "0"),
+        ("--bandwidth-gb-s", "-5"),
+        ("--bandwidth-gb-s", "nan"),
+        ("--seed", "-1"),
+        ("--batches", "0"),
+        ("--seq-len", "0"),
+        ("--text-share", "1.5"),
+    ],
+)
+def test_cli_bad_flag_values_name_the_flag(tmp_path, capsys, flag, value) -> None:
+    """A bad value is refused before any work, by the flag's name (no ZeroDivisionError, no
+    negative waste, no numpy message)."""
+    csv = tmp_path / "mix.csv"
+    _write_csv(csv, _mix(500))
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--data", str(csv), "--no-plot", "--json", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_exchange_model_refuses_bad_settings() -> None:
+    from lightning_vlmbalance.sim import ExchangeModel
+
+    for kwargs in ({"bandwidth_gb_s": 0.0}, {"bandwidth_gb_s": -1.0}, {"latency_ms": -0.1}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            ExchangeModel(**kwargs)
+
+
+def test_cli_bad_plot_path_fails_before_the_sweep(tmp_path, capsys) -> None:
+    """A plot that cannot be written is an error before simulating (no work is lost: no
+    progress bar ran, no table was printed); with a good path the table comes first."""
+    csv = tmp_path / "mix.csv"
+    _write_csv(csv, _mix(500))
+    base = ["run", "--data", str(csv), "--dp", "4", "--ga", "1", "--batches", "2"]
+    for bad in (tmp_path / "missing" / "sim.png", tmp_path / "sim.nosuchformat"):
+        assert main([*base, "--plot", str(bad)]) == 2
+        out, err = capsys.readouterr()
+        assert "--plot" in err and str(bad) in err
+        assert out == "" and "simulating" not in err
+    good = tmp_path / "sim.png"
+    assert main([*base, "--plot", str(good), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("strategy") and out.rstrip().endswith(f"plot: {good}")
+    assert good.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ("10,2,1\n7,3\n", r"mix\.csv:3: column 'images' is missing"),
+        ("10,2,1\n7,x,1\n", r"mix\.csv:3: column 'image_tokens' is 'x', not an integer"),
+        ("10,2,1\n7,3,0\n", r"mix\.csv:3: .*3 image tokens but 0 images"),
+        ("10,2,1\n7,0,2\n", r"mix\.csv:3: .*0 image tokens but 2 images"),
+        ("10,12,1\n", r"mix\.csv:2: .*image_tokens 12 .* total_tokens 10"),
+        ("-1,0,0\n", r"mix\.csv:2: column 'total_tokens' is -1"),
+    ],
+)
+def test_read_length_csv_names_file_line_and_column(tmp_path, body, match) -> None:
+    from lightning_vlmbalance.synthetic import read_length_csv
+
+    csv = tmp_path / "mix.csv"
+    csv.write_text("total_tokens,image_tokens,images\n" + body)
+    with pytest.raises(ValueError, match=match):
+        read_length_csv(csv)
+
+
+def test_simulate_refuses_image_tokens_without_images() -> None:
+    table = _mix(500)
+    images = table.images.copy()
+    i = int(np.flatnonzero(table.image_tokens > 0)[3])
+    images[i] = 0
+    bad = LengthTable(table.total_tokens, table.image_tokens, images)
+    with pytest.raises(ValueError, match=f"sample {i} has 0 images"):
+        simulate(bad, seq_len=8192, dp=[2], ga=[1], batches=1, strategies=["off"])
+
+
+def test_step_overhead_fit_names_a_bad_record() -> None:
+    from lightning_vlmbalance.sim import StepOverhead
+
+    good = {"run": "a", "world_size": 2, "global_step": 0, "step_ms": 5.0}
+    micro = {"vision_fwd_ms": 1.0, "llm_fwd_ms": 1.0, "backward_ms": 1.0}
+    for bad, match in (
+        ({**good, "micro": {"vision_fwd_ms": 1.0}}, 'record 1: "micro" must be a list'),
+        ({**good, "micro": [1.0]}, 'record 1: "micro" must be a list'),
+        ({**good, "micro": [{"vision_fwd_ms": 1.0}]}, "record 1: micro\\[0\\] has no 'llm_fwd_ms'"),
+        ({k: v for k, v in good.items() if k != "step_ms"} | {"micro": [micro]}, "'step_ms'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            StepOverhead.fit([{**good, "micro": [micro]}, bad])
