@@ -5,15 +5,26 @@
     python -m examples.train --strategy ddp         # plain DDP, one run
     python -m examples.train --data a.csv --length-scale 0.0625 --seq-len 512
 
-By default one invocation trains the same data three times from the same initial weights:
-``off`` (packs where the sampler put them), then ``overlap`` (whole packs exchanged between
-ranks in the background) and ``source`` (global batches formed by cost in the sampler), with a
-cost model calibrated from the ``off`` run's own StragglerMonitor logs in between. It prints a
-side-by-side table, writes a PNG of every rank's step and vision time per mode next to the
-TensorBoard logs, and ends with one ``SUMMARY_JSON`` line.
+By default one invocation trains the same data (one epoch) from the same initial weights in
+three modes: ``off`` (packs where the sampler put them), ``overlap`` (whole packs exchanged
+between ranks in the background) and ``source`` (global batches formed by cost in the sampler),
+with a cost model calibrated from the first ``off`` run's own StragglerMonitor logs. Each mode
+trains ``--rounds`` times, the rounds in ABBA order (off, overlap, source, source, overlap, off),
+so that a change of the machine's load during the job lands on every mode alike.
 
-Lightning's DDP launcher re-runs this module for the other ranks; the modes run one after the
-other in the same processes. Logs go under ``--root`` (default ``runs/``).
+The headline is whole-run tokens/s (every mode trains the same samples: the same tokens), summed
+over the rounds, and its gain over ``off``; the gain of each round against that round's ``off``
+gives the spread. Every mode reads its packs ahead the same way: a thread per rank reads
+``--read-ahead`` packs ahead (default 2: one global batch at accumulation 2; ``ReadAheadLoader``),
+so ``overlap``'s exchange thread takes packs that are already read, as ``off`` and ``source``
+do. What ``overlap``'s thread still hides is the loader's per-global-batch work (the feature
+all-gather, which every mode needs for the loss weights, the plan and the exchange); the
+``exposed_exchange_ms`` column shows how much of it each mode waits for.
+
+It prints a side-by-side table, writes a PNG of every rank's step and vision time per mode (first
+round) next to the TensorBoard logs, and ends with one ``SUMMARY_JSON`` line. Lightning's DDP
+launcher re-runs this module for the other ranks; the runs follow each other in the same
+processes. Logs go under ``--root`` (default ``runs/``).
 """
 
 from __future__ import annotations
@@ -21,7 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +52,67 @@ from lightning_vlmbalance.packing import Packs
 
 MODES = ("off", "overlap", "sync", "source")
 COMPARED = ("off", "overlap", "source")
-WARMUP_STEPS = 5  # optimizer steps left out of the median step time
+WARMUP_STEPS = 5  # optimizer steps left out of the median step time (a secondary figure)
+ROUNDS = 2  # each compared mode trains this many times, in ABBA order
 _RUN_DIR_ENV = "VLMBALANCE_MAIN_JOB_DIR"  # the run folder, handed to the other ranks
+
+
+class ReadAheadLoader(vb.PackedDataLoader):
+    """A ``PackedDataLoader`` that reads ``read_ahead`` packs ahead in a background thread, so
+    that every mode of the comparison reads the same way: ``off`` and ``source`` take ready packs
+    as ``overlap``'s exchange thread does (which reads from this thread too). The first pack of a
+    pass is read in the caller's thread (the loader's first-pass collective stays there). A
+    thread, not DataLoader worker processes: forking workers while the package's background
+    threads run (the sampler's plan-ahead, the exchange) hung a worker at fork in CPython 3.11.
+    Under plain ``"ddp"`` (the loader weighs its steps with a collective) it reads in line. The
+    loader's checkpoint position runs ahead by the packs read: this job saves none.
+    """
+
+    def __init__(self, *args: Any, read_ahead: int = 2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_ahead = read_ahead
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        inner = super().__iter__()
+        # a loader that weighs its steps itself all-reduces per step (plain "ddp"): that
+        # collective must stay on the training thread, so it reads in line
+        ahead = self.read_ahead > 0 and not self.weigh_steps
+        return self._ahead(inner) if ahead else inner
+
+    def _ahead(self, inner: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        end = object()
+        first = next(inner, end)  # here: Lightning calls set_epoch before the first next()
+        if first is end:
+            return
+        ready: queue.Queue[Any] = queue.Queue(maxsize=self.read_ahead)
+        stop = threading.Event()
+
+        def read() -> None:
+            try:
+                for batch in inner:
+                    while not stop.is_set():
+                        try:
+                            ready.put(batch, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                ready.put(end)
+            except BaseException as err:  # raised in the consumer
+                ready.put(err)
+
+        thread = threading.Thread(target=read, name="main-job-read-ahead", daemon=True)
+        thread.start()
+        try:
+            yield first
+            while (item := ready.get()) is not end:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            thread.join()
 
 
 class VLMDataModule(L.LightningDataModule):
@@ -56,10 +129,12 @@ class VLMDataModule(L.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         balance: vb.CostModel | None = None,
+        read_ahead: int = 0,
     ) -> None:
         super().__init__()
         self.table, self.seq_len, self.seed, self.num_workers = table, seq_len, seed, num_workers
         self.balance = balance
+        self.read_ahead = read_ahead  # packs read ahead in a thread (ReadAheadLoader)
         self.dataset = vb.SyntheticVLMDataset(
             table, vocab_size=vocab_size, patch_dim=patch_dim, seed=seed
         )
@@ -77,11 +152,12 @@ class VLMDataModule(L.LightningDataModule):
             balance=self.balance,
         )
         collate = vb.PackCollator(self.seq_len, image_feature_shape=(self.patch_dim,))
-        self.loader = vb.PackedDataLoader(
+        self.loader = ReadAheadLoader(
             self.dataset,
             sampler,
             collate,
             trainer=self.trainer,  # loss weights per optimizer step (strategy "ddp" needs it)
+            read_ahead=self.read_ahead,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
@@ -98,6 +174,7 @@ class RunSummary(L.Callback):
         self.start = 0.0
         self.summary: dict[str, Any] = {}
         self.step_ends: list[float] = []
+        self.step_s: list[float] = []  # optimizer step times after the warm-up steps
         self.trained: dict[int, list[int]] = {}  # optimizer step -> this rank's sample ids
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -148,15 +225,19 @@ class RunSummary(L.Callback):
         sampler = trainer.datamodule.loader.sampler
         plan = sampler.plan()
         steps = trainer.global_step - self.start_step
-        step_s = np.diff(self.step_ends)[WARMUP_STEPS:]
+        self.step_s = [float(x) for x in np.diff(self.step_ends)[WARMUP_STEPS:]]
         self.summary = {
             "mode": self.mode,
             "ranks": trainer.world_size,
             "optimizer_steps": steps,
-            "seconds": round(elapsed, 2),
-            "steps_per_s": round(1.0 / float(np.median(step_s)), 3) if len(step_s) else 0.0,
-            "steps_per_s_overall": round(steps / elapsed, 3),
+            "seconds": round(elapsed, 3),
+            "tokens": self.tokens,  # of the samples trained: the same in every mode
+            # whole run: from the first batch read to the last optimizer step, warm-up included
             "tokens_per_s": round(self.tokens / elapsed, 1),
+            "steps_per_s": round(steps / elapsed, 3),
+            "steps_per_s_median": (
+                round(1.0 / float(np.median(self.step_s)), 3) if self.step_s else 0.0
+            ),
             "packing_efficiency": round(plan.efficiency, 4),
             "packs_per_rank": plan.packs_per_rank,
             "padding_packs": plan.padding_packs,
@@ -280,8 +361,10 @@ def fit_mode(
     mode: str,
     folder: Path,
     cost_model: vb.CostModel | None,
+    version: str | None = None,
 ) -> RunSummary:
-    """One training run of ``mode`` from the same initial weights and data order."""
+    """One training run of ``mode`` from the same initial weights and data order (TensorBoard
+    version ``version``, default the mode's name)."""
     L.seed_everything(args.seed, verbose=False)
     data = VLMDataModule(
         table,
@@ -291,6 +374,7 @@ def fit_mode(
         seed=args.seed,
         num_workers=args.num_workers,
         balance=(cost_model or vb.CostModel()) if mode == "source" else None,
+        read_ahead=args.read_ahead,
     )
     model = ToyVLM(
         max_positions=args.seq_len,
@@ -316,7 +400,7 @@ def fit_mode(
         max_steps=args.max_steps,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
-        logger=TensorBoardLogger(folder, name="", version=mode),
+        logger=TensorBoardLogger(folder, name="", version=version or mode),
         log_every_n_steps=5,
         callbacks=[monitor, summary],
         enable_checkpointing=False,
@@ -345,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--num-samples", type=int, default=2400)
+    p.add_argument("--num-samples", type=int, default=1200)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--text-share", type=float, default=0.7)
     p.add_argument(
@@ -361,7 +445,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--moe-experts", type=int, default=4)
     p.add_argument("--vision-layers", type=int, default=6)
     p.add_argument("--vision-dim", type=int, default=384, help="0: the decoder's width")
-    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
+    p.add_argument(
+        "--read-ahead",
+        type=int,
+        default=2,
+        help="packs each rank reads ahead in a background thread, in every mode alike",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="runs of each compared mode, in ABBA order (the spread of the gain across rounds)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--root", default="runs")
     p.add_argument("--no-progress-bar", action="store_true")
@@ -372,10 +468,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--balance-mode",
         default="compare",
         choices=("compare", *MODES),
-        help="compare: off, then overlap and source with a cost model fitted on off's logs",
+        help="compare: off, overlap and source (--rounds each, ABBA order), with a cost model"
+        " fitted on the first off run's logs",
     )
     p.add_argument("--cost-model", help="a saved CostModel (JSON) instead of the calibration")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: must be at least 1")
 
     torch.set_num_threads(1)  # one core per rank: two ranks must not fight over two cores
     table = build_table(args)
@@ -387,56 +486,126 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     folder = run_dir(args.root)
     cost_model = vb.CostModel.load(args.cost_model) if args.cost_model else None
-    runs: dict[str, RunSummary] = {}
+    order = schedule(modes, args.rounds if len(modes) > 1 else 1)
+    runs: dict[str, list[RunSummary]] = {mode: [] for mode in modes}
     fit_report = None
-    for mode in modes:
-        runs[mode] = fit_mode(args, table, mode, folder, cost_model)
-        if mode == "off" and len(modes) > 1 and cost_model is None:
-            cost_model, fit_report = calibrate(runs["off"].jsonl_dir, folder / "cost_model.json")
-            runs["off"].replan(cost_model)  # every mode's planned waste under the same model
-    summary = report(runs, folder, fit_report, args)
+    for k, mode in order:
+        run = fit_mode(args, table, mode, folder, cost_model, mode if k == 0 else f"{mode}_{k}")
+        runs[mode].append(run)
+        if mode == "off" and len(modes) > 1 and cost_model is None:  # the first run: off
+            cost_model, fit_report = calibrate(run.jsonl_dir, folder / "cost_model.json")
+            run.replan(cost_model)  # every mode's planned waste under the same model
+    summary = report(runs, order, folder, fit_report, args)
     return summary
 
 
+def schedule(modes: list[str], rounds: int) -> list[tuple[int, str]]:
+    """``(round, mode)`` in ABBA order: forward in even rounds, backward in odd ones (off,
+    overlap, source, source, overlap, off), so a load that drifts linearly over the job weighs
+    on every mode alike over each pair of rounds."""
+    return [(k, mode) for k in range(rounds) for mode in (modes if k % 2 == 0 else modes[::-1])]
+
+
+def _gain(value: float, base: float) -> float | None:
+    return round(value / base - 1.0, 4) if base > 0 else None
+
+
+def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per mode, from its runs' summaries (in round order; each with ``seconds``, ``tokens``,
+    ``optimizer_steps``, ``step_s``): the headline ``tokens_per_s`` = all its runs' tokens over
+    all their seconds (whole runs, warm-up included), ``gain_vs_off`` on that figure, and
+    ``gain_by_round`` / ``gain_spread``: each round's tokens/s against the same round's ``off``.
+    ``steps_per_s_median`` (median step time after the warm-up steps) is kept for reference: it
+    leaves out the warm-up and weighs a drifting step time differently, so it is no headline."""
+    modes: dict[str, dict[str, Any]] = {}
+    rate: dict[str, tuple[float, list[float], float]] = {}  # unrounded: whole, per round, median
+    for mode, rs in runs.items():
+        seconds = sum(r["seconds"] for r in rs)
+        tokens = sum(r["tokens"] for r in rs)
+        steps = sum(r["optimizer_steps"] for r in rs)
+        step_s = [x for r in rs for x in r.get("step_s", [])]
+        per_round = [r["tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0 for r in rs]
+        median = 1.0 / float(np.median(step_s)) if step_s else 0.0
+        rate[mode] = (tokens / seconds if seconds > 0 else 0.0, per_round, median)
+        waits = [r["waste_frac"] for r in rs if "waste_frac" in r]
+        s = {k: v for k, v in rs[0].items() if k != "step_s"}  # per epoch: the first round's
+        s.update(
+            rounds=len(rs),
+            seconds=round(seconds, 3),
+            tokens=tokens,
+            tokens_per_s=round(rate[mode][0], 1),
+            steps_per_s=round(steps / seconds, 3) if seconds > 0 else 0.0,
+            steps_per_s_median=round(median, 3),
+            by_round=[
+                {
+                    "round": k,
+                    "seconds": round(r["seconds"], 3),
+                    "tokens_per_s": round(per_round[k], 1),
+                    **({"waste_frac": r["waste_frac"]} if "waste_frac" in r else {}),
+                    "log_dir": r.get("log_dir"),
+                }
+                for k, r in enumerate(rs)
+            ],
+            gain_vs_off=None,
+            median_gain_vs_off=None,
+            gain_by_round=[],
+            gain_spread=None,
+        )
+        if waits:
+            s["waste_frac"] = round(float(np.mean(waits)), 4)
+        modes[mode] = s
+    if "off" in rate:
+        base, base_rounds, base_median = rate["off"]
+        for mode, s in modes.items():
+            whole, per_round, median = rate[mode]
+            s["gain_vs_off"] = _gain(whole, base)
+            s["median_gain_vs_off"] = _gain(median, base_median)
+            s["gain_by_round"] = [_gain(x, b) for x, b in zip(per_round, base_rounds)]
+            for r, g in zip(s["by_round"], s["gain_by_round"]):
+                r["gain_vs_off"] = g
+            if s["gain_by_round"]:
+                s["gain_spread"] = [min(s["gain_by_round"]), max(s["gain_by_round"])]
+    return modes
+
+
 def report(
-    runs: dict[str, RunSummary], folder: Path, fit_report: str | None, args: argparse.Namespace
+    runs: dict[str, list[RunSummary]],
+    order: list[tuple[int, str]],
+    folder: Path,
+    fit_report: str | None,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     """The comparison (printed by rank 0, returned on every rank)."""
-    off = runs["off"].summary if "off" in runs else None  # gains need an off run
-    modes: dict[str, dict[str, Any]] = {}
-    for mode, run in runs.items():
-        s = dict(run.summary)
-        s["gain_vs_off"] = s["tokens_gain_vs_off"] = None
-        if off is not None:
-            s["gain_vs_off"] = round(s["steps_per_s"] / off["steps_per_s"] - 1.0, 4)
-            s["tokens_gain_vs_off"] = round(s["tokens_per_s"] / off["tokens_per_s"] - 1.0, 4)
-        modes[mode] = s
-    samples = {
-        mode: sorted(x for step in run.steps_samples for x in step) for mode, run in runs.items()
-    }
-    first = next(iter(samples.values()))
+    modes = compare(
+        {mode: [{**r.summary, "step_s": r.step_s} for r in rs] for mode, rs in runs.items()}
+    )
+    every = [r for rs in runs.values() for r in rs]
+    samples = [sorted(x for step in r.steps_samples for x in step) for r in every]
+    exchanged = [
+        r.steps_samples for m, rs in runs.items() if m in ("off", "overlap", "sync") for r in rs
+    ]
     summary: dict[str, Any] = {
-        "ranks": next(iter(runs.values())).summary["ranks"],
+        "ranks": every[0].summary["ranks"],
         "log_dir": str(folder),
+        "rounds": max(len(rs) for rs in runs.values()),
+        "order": [mode for _, mode in order],  # the runs, in the order they trained
+        "read_ahead": args.read_ahead,  # packs read ahead in a thread, the same in every mode
         "modes": modes,
-        # the same samples, each as often, in every mode; off and the exchanges: the same
+        # the same samples, each as often, in every run; off and the exchanges: the same
         # global batch at every optimizer step (only the ranks that compute a pack differ)
-        "same_samples": all(v == first for v in samples.values()),
-        "same_global_batches": all(
-            runs[m].steps_samples == runs[next(iter(runs))].steps_samples
-            for m in runs
-            if m in ("off", "overlap", "sync")
-        ),
+        "same_samples": all(v == samples[0] for v in samples),
+        "same_global_batches": all(v == exchanged[0] for v in exchanged),
     }
     if fit_report is not None:
         summary["cost_model_fit"] = fit_report
-    if off is not None and len(modes) > 1:
-        best = max((m for m in modes if m != "off"), key=lambda m: modes[m]["steps_per_s"])
+    if "off" in modes and len(modes) > 1:
+        best = max((m for m in modes if m != "off"), key=lambda m: modes[m]["tokens_per_s"])
         summary["best_mode"] = best
         summary["gain_vs_off"] = modes[best]["gain_vs_off"]
+        summary["gain_spread"] = modes[best]["gain_spread"]
     is_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if is_zero:
-        summary["figure"] = str(plot_modes(runs, folder))
+        summary["figure"] = str(plot_modes({m: rs[0] for m, rs in runs.items()}, folder))
         _print(summary, args)
     return summary
 
@@ -445,9 +614,9 @@ def print_run(s: dict[str, Any]) -> None:
     """One run's summary (rank 0), for jobs that train one mode (``examples.hf_vlm``)."""
     lines = [
         f"\nSummary: {s['ranks']} ranks, {s['optimizer_steps']} optimizer steps in"
-        f" {s['seconds']} s, {s['steps_per_s']} steps/s (median), {s['tokens_per_s']} tokens/s"
-        f" (all ranks), packing efficiency {s['packing_efficiency']:.2%}, final loss"
-        f" {s['final_loss']}."
+        f" {s['seconds']} s, {s['steps_per_s']} steps/s and {s['tokens_per_s']} tokens/s (whole"
+        f" run, all ranks; median step: {s['steps_per_s_median']} steps/s), packing efficiency"
+        f" {s['packing_efficiency']:.2%}, final loss {s['final_loss']}."
     ]
     if "waste_frac" in s:
         lines.append(
@@ -476,31 +645,39 @@ def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
             "\nCost model fitted on the off run's StragglerMonitor logs:"
             f" {summary['cost_model_fit']}"
         )
+    rounds = summary["rounds"]
     lines.append(
         f"\nSummary: {summary['ranks']} ranks, accumulation {args.accumulate}, the same"
-        f" {'samples' if summary['same_samples'] else 'SAMPLES DIFFER'} in every mode"
-        " (median step time after the first 5 steps):\n"
+        f" {'samples' if summary['same_samples'] else 'SAMPLES DIFFER'} in every run;"
+        f" {rounds} round(s) per mode in the order {', '.join(summary['order'])};"
+        f" every mode reads {summary['read_ahead']} packs ahead in a thread. tokens/s: whole"
+        " runs (warm-up included) over all rounds; per round: against that round's off; steps/s"
+        f" (median): after the first {WARMUP_STEPS} steps, for reference:\n"
     )
     head = (
-        "| mode | steps | steps/s | gain vs off | tokens/s | waiting (measured) | planned waste"
-        " | packs moved | bytes exchanged | packing | mean loss |"
+        "| mode | steps | tokens/s | gain vs off | per round | steps/s (median) | waiting"
+        " (measured) | planned waste | exposed ms | packs moved | bytes exchanged | packing"
+        " | mean loss |"
     )
-    lines += [head, "|" + "---|" * 11]
+    lines += [head, "|" + "---|" * 13]
     for mode, s in modes.items():
+        per_round = ", ".join(_pct(g) for g in s["gain_by_round"]) or "-"
         lines.append(
-            f"| {mode} | {s['optimizer_steps']} | {s['steps_per_s']:.2f} |"
-            f" {_pct(s['gain_vs_off'])} | {s['tokens_per_s']:.0f}"
-            f" ({_pct(s['tokens_gain_vs_off'])}) |"
+            f"| {mode} | {s['optimizer_steps']} | {s['tokens_per_s']:,.0f} |"
+            f" {_pct(s['gain_vs_off'])} | {per_round} |"
+            f" {s['steps_per_s_median']:.2f} ({_pct(s['median_gain_vs_off'])}) |"
             f" {s.get('waste_frac', float('nan')):.1%} | {s['planned_waste']:.1%} |"
+            f" {s.get('exposed_exchange_ms', '-')} |"
             f" {s['moved_packs']} | {s['bytes_exchanged']:,} | {s['packing_efficiency']:.2%} |"
             f" {s['mean_loss']} |"
         )
     if "best_mode" in summary:
         best = summary["best_mode"]
+        low, high = summary["gain_spread"]
         lines.append(
-            f"\nBest: {best}, {summary['gain_vs_off']:+.1%} optimizer steps/s over off;"
-            f" waiting {modes['off'].get('waste_frac', 0):.1%} ->"
-            f" {modes[best].get('waste_frac', 0):.1%}"
+            f"\nBest: {best}, {summary['gain_vs_off']:+.1%} tokens/s over off (whole runs,"
+            f" {rounds} round(s); per round {low:+.1%} to {high:+.1%}); waiting"
+            f" {modes['off'].get('waste_frac', 0):.1%} -> {modes[best].get('waste_frac', 0):.1%}"
             " of rank-time."
         )
     lines.append(f"Figure (busy and vision time per rank, per mode): {summary['figure']}")
@@ -546,7 +723,7 @@ def plot_modes(runs: dict[str, RunSummary], folder: Path) -> Path:
             )
         s = run.summary
         ax.set_title(
-            f"{mode}: {s['steps_per_s']:.2f} steps/s, waiting {s.get('waste_frac', 0):.0%}"
+            f"{mode}: {s['tokens_per_s']:,.0f} tokens/s, waiting {s.get('waste_frac', 0):.0%}"
         )
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
