@@ -176,21 +176,29 @@ def exchange_packs(
     outgoing = [(p, dst) for p, src, dst in moves if src == rank and dst != rank]
     incoming = [(p, src) for p, src, dst in moves if dst == rank and src != rank]
     encoded = {p: encode_pack(packs[p]) for p, _ in outgoing}
-
-    # 1) headers: sizes of each pack's spec and payload (CPU group)
-    headers = _exchange_headers(encoded, outgoing, incoming, group, deadline, timeout_s)
-
-    # 2) specs (CPU group) and payloads (payload group, on ``device``)
     if on_cuda and stream is None:
         stream = torch.cuda.Stream(device)
-    with _on_stream(device, stream):
-        works, send_to = _send_specs(encoded, outgoing, group, device)
-        recv_works, buffers, recv_from = _recv_specs(headers, incoming, group, device)
-        works += recv_works
-        payload_works, pending = _post_payloads(send_to, recv_from, rank, payload_group)
-        _wait_all(works, deadline, timeout_s)
-        _wait_all(payload_works, deadline, timeout_s, poll=on_cuda)
-        received = _decode_received(incoming, buffers, pending, on_cuda, stream, ready_events)
+    try:
+        # 1) headers: sizes of each pack's spec and payload (CPU group)
+        headers = _exchange_headers(encoded, outgoing, incoming, group, deadline, timeout_s)
+        # 2) specs (CPU group) and payloads (payload group, on ``device``)
+        with _on_stream(device, stream):
+            works, send_to = _send_specs(encoded, outgoing, group, device)
+            recv_works, buffers, recv_from = _recv_specs(headers, incoming, group, device)
+            works += recv_works
+            payload_works, pending = _post_payloads(send_to, recv_from, rank, payload_group)
+            _wait_all(works, deadline, timeout_s)
+            _wait_all(payload_works, deadline, timeout_s, poll=on_cuda)
+            received = _decode_received(incoming, buffers, pending, on_cuda, stream, ready_events)
+    except RuntimeError as err:
+        if isinstance(err, ExchangeError):
+            raise
+        # posting a send or receive to a peer that is already gone fails at once (gloo:
+        # "Connection closed by peer"), before any wait
+        raise ExchangeError(
+            f"pack exchange failed within exchange_timeout_s={timeout_s:g}: a peer is gone"
+            f" (rank {rank}; {type(err).__name__}: {err})"
+        ) from err
     del encoded  # the payloads being sent stay alive until every transfer is done
     return received
 

@@ -118,6 +118,11 @@ def main() -> None:
             "metrics": sorted(trainer.callback_metrics),
         }
         (out / "result.json").write_text(json.dumps(result))
+    # leave the process group before the interpreter exits: a gloo group torn down at exit
+    # while the peer's process is already gone aborted a rank now and then (terminate called
+    # without an active exception, exit -6)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
