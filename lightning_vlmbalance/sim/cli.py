@@ -153,15 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--training-strategy",
         choices=tuple(SYNC_OF_STRATEGY),
-        default="vlmbalance",
-        help="the Trainer strategy modelled: how often its ranks synchronise (vlmbalance: once"
-        " per optimizer step; fsdp_vlmbalance, and Lightning's plain ddp: every micro-batch)",
+        default=None,
+        help="the Trainer strategy modelled: how often its ranks synchronise (vlmbalance, the"
+        " default: once per optimizer step; fsdp_vlmbalance, and Lightning's plain ddp: every"
+        " micro-batch)",
     )
     run.add_argument(
         "--sync-every",
         choices=SYNC_EVERY,
         default=None,
-        help="override the synchronisation of --training-strategy",
+        help="how often the ranks synchronise, overriding the default strategy's (an error if"
+        " it contradicts an explicit --training-strategy)",
     )
     run.add_argument(
         "--bandwidth-gb-s", type=number(float, above=0.0), default=ExchangeModel.bandwidth_gb_s
@@ -197,12 +199,22 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.sync_every and args.sync_every != SYNC_OF_STRATEGY[args.training_strategy]:
+def _sync_every(args: argparse.Namespace) -> str:
+    """The synchronisation modelled: ``--sync-every``, else that of ``--training-strategy``
+    (default ``vlmbalance``). Only an explicit contradiction of the two is an error."""
+    if args.training_strategy is None:
+        return args.sync_every or SYNC_OF_STRATEGY["vlmbalance"]
+    implied = SYNC_OF_STRATEGY[args.training_strategy]
+    if args.sync_every and args.sync_every != implied:
         raise ValueError(
-            f"`--training-strategy {args.training_strategy}` synchronises every"
-            f" {SYNC_OF_STRATEGY[args.training_strategy]}, not `--sync-every {args.sync_every}`"
+            f"`--training-strategy {args.training_strategy}` synchronises every {implied},"
+            f" not `--sync-every {args.sync_every}`: give one of the two"
         )
+    return implied
+
+
+def _run(args: argparse.Namespace) -> int:
+    sync_every = _sync_every(args)
     if not args.no_plot:
         check_plot_path(args.plot)  # before the sweep: a bad path must not waste it
     table = read_length_csv(*args.data)
@@ -226,7 +238,7 @@ def _run(args: argparse.Namespace) -> int:
             exchange=ExchangeModel(bandwidth_gb_s=args.bandwidth_gb_s),
             batches=args.batches,
             seed=args.seed,
-            sync_every=args.sync_every or SYNC_OF_STRATEGY[args.training_strategy],
+            sync_every=sync_every,
             progress=bar.update if bar is not None else None,
         )
     finally:

@@ -115,6 +115,28 @@ def test_cli_training_strategy_sets_the_synchronisation(tmp_path, capsys) -> Non
     assert "synchronises every microstep" in capsys.readouterr().err
 
 
+def test_cli_sync_every_alone_overrides_the_default(tmp_path, capsys) -> None:
+    """``--sync-every`` without ``--training-strategy`` sets the synchronisation (the help says it
+    overrides): ``microstep`` gives the same rows as ``--training-strategy fsdp_vlmbalance``, and
+    ``step`` those of the default; only an explicit contradiction is an error."""
+    csv = tmp_path / "mix.csv"
+    _write_csv(csv, _mix(3000))
+    base = f"run --data {csv} --dp 8 --ga 4 --batches 4 --strategies off --no-plot --json".split()
+
+    def rows(*flags: str) -> list:
+        assert main([*base, *flags]) == 0, capsys.readouterr().err
+        return json.loads(capsys.readouterr().out)
+
+    assert rows("--sync-every", "microstep") == rows("--training-strategy", "fsdp_vlmbalance")
+    assert rows("--sync-every", "step") == rows()
+    assert rows("--sync-every", "microstep") != rows()
+    assert rows("--training-strategy", "ddp", "--sync-every", "microstep") == rows(
+        "--sync-every", "microstep"
+    )
+    assert main([*base, "--training-strategy", "vlmbalance", "--sync-every", "microstep"]) == 2
+    assert "`--training-strategy vlmbalance` synchronises every step" in capsys.readouterr().err
+
+
 def test_source_balancing_removes_most_of_the_waste_at_one_pack_per_rank() -> None:
     """At ga 1 no pack can move (overlap = off); balancing at the source forms even packs."""
     # 12 batches: source re-forms the samples of off's batches, and its last global batch is
