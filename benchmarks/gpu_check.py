@@ -60,7 +60,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 TAIL_CHARS = 3000
-DEVICE_PHASES = ("vision_fwd", "llm_fwd", "backward", "optimizer", "sync_wait")
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +254,7 @@ def part_monitor(smoke: bool) -> dict:
     import lightning_vlmbalance as vb
     from examples.train import VLMDataModule
     from examples.vlm import ToyVLM
-    from lightning_vlmbalance.timing import StepTimer
+    from lightning_vlmbalance.timing import DEVICE_PHASES, StepTimer
 
     cuda = torch.cuda.is_available() and not smoke
     if cuda:

@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-PANELS = ("vision_fwd", "llm_fwd", "backward", "sync_wait", "lightning_sync", "step")
+from lightning_vlmbalance.timing import COMPUTE_PHASES, WAIT_PHASES
+
+PANELS = (*COMPUTE_PHASES, *WAIT_PHASES, "step")
 
 
 def main() -> None:

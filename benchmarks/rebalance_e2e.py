@@ -62,10 +62,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/packing.p
 from packing import BenchmarkError, load
 
 from lightning_vlmbalance.sim.cli import comma_list
+from lightning_vlmbalance.timing import COMPUTE_PHASES
 from tests.multiproc import run_ranks
 
 MODES = ("off", "sync", "overlap", "source")
-COMPUTE_PHASES = ("vision_fwd", "llm_fwd", "backward")
 EXCHANGE_TIMEOUT_S = 120.0
 GRACE_S = 15.0  # after a rank failed: how much longer than EXCHANGE_TIMEOUT_S the others get
 _END = object()  # the reader thread's end of the source

@@ -49,6 +49,7 @@ import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 from lightning_vlmbalance.balance import features_from_packs
 from lightning_vlmbalance.packing import Packs
+from lightning_vlmbalance.timing import WAIT_PHASES
 
 MODES = ("off", "overlap", "sync", "source")
 COMPARED = ("off", "overlap", "source")
@@ -691,7 +692,7 @@ def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
 def _busy_ms(record: dict[str, Any]) -> float:
     """A rank's step less its waits at synchronisation points."""
     phases = record["phases_ms"]
-    return record["step_ms"] - phases.get("sync_wait", 0.0) - phases.get("lightning_sync", 0.0)
+    return record["step_ms"] - sum(phases.get(phase, 0.0) for phase in WAIT_PHASES)
 
 
 def plot_modes(runs: dict[str, RunSummary], folder: Path) -> Path:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -21,15 +18,11 @@ from typing_extensions import override
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import features_from_meta
 from lightning_vlmbalance.timing import (
-    PHASES,
-    SERIES,
-    ResolvedStep,
+    LIGHTNING_SYNC,
     StepTimer,
+    StragglerRecorder,
     custom_scalars_layout,
-    per_rank_metrics,
-    stats_from_waits,
     timed_comm_hook,
-    window_row,
 )
 from lightning_vlmbalance.timing.timer import HOST
 
@@ -88,6 +81,10 @@ class StragglerMonitor(Callback):
     version) starts it at the checkpoint's step + 1; the previous folder keeps its records,
     including the steps after the checkpoint: calibrate on one folder.
 
+    The recording, the JSON lines, the gather and the checkpointed totals are the framework-free
+    :class:`~lightning_vlmbalance.timing.StragglerRecorder` (``self.recorder``); this callback
+    finds the modules, hooks them, Lightning's loop and DDP's comm hook, and logs.
+
     Args:
         log_every_n_steps: optimizer steps between gathers (and log points).
         vision_module: the vision submodule (an ``nn.Module`` or a dotted name); ``None`` looks
@@ -120,30 +117,31 @@ class StragglerMonitor(Callback):
         self.vision_module = vision_module
         self.llm_module = llm_module
         self.jsonl_dir = jsonl_dir
-        self.timer = StepTimer()
+        self.recorder = StragglerRecorder()
         self.jsonl_path: Path | None = None
-        self._file: Any = None
         self._handles: list[Any] = []
         self._seam_trainer: L.Trainer | None = None
         self._restore_hook: tuple[DDPStrategy, Any] | None = None
-        self._window: list[ResolvedStep] = []  # resolved steps not gathered yet
-        self._unlogged: np.ndarray = np.zeros((0, len(SERIES) + 1))  # gathered, not logged
         self._last_step = 0
         self._failed = False
         self._fitting = False  # from on_train_start to the end of fit: checkpoints gather
-        # over the whole run, per rank (the same on every rank after each gather; checkpointed)
-        self.total_step_ms: np.ndarray = np.zeros(0)
-        self.total_wait_ms: np.ndarray = np.zeros(0)
-        self.steps_timed = 0
+
+    @property
+    def timer(self) -> StepTimer:
+        """The recorder's phase timer (replaced at ``setup`` by one on the strategy's device)."""
+        return self.recorder.timer
+
+    @property
+    def steps_timed(self) -> int:
+        """Optimizer steps gathered from every rank over the whole run."""
+        return self.recorder.steps_timed
 
     # -- set-up ------------------------------------------------------------------------------
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        enabled = self.timer.enabled
-        self.timer = StepTimer("cuda" if trainer.strategy.root_device.type == "cuda" else "cpu")
-        self.timer.enabled = enabled
+        self.recorder.use_clock("cuda" if trainer.strategy.root_device.type == "cuda" else "cpu")
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy) and strategy.root_device.type == "cuda":
             # Lightning registers the strategy's comm hook on CUDA in strategy.setup(), which
@@ -155,7 +153,6 @@ class StragglerMonitor(Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._failed = False
-        self._window.clear()
         vision = _resolve_module(pl_module, self.vision_module, _VISION_NAMES, "vision_module")
         llm = _resolve_module(pl_module, self.llm_module, _LLM_NAMES, "llm_module")
         for module, phase in ((vision, "vision_fwd"), (llm, "llm_fwd")):
@@ -207,11 +204,11 @@ class StragglerMonitor(Callback):
                 finally:
                     timer.between_steps(HOST.elapsed_ms(t0, HOST.mark()))
                 return
-            timer.start("lightning_sync", host=True)
+            timer.start(LIGHTNING_SYNC, host=True)
             try:
                 sync()
             finally:
-                timer.stop("lightning_sync")
+                timer.stop(LIGHTNING_SYNC)
 
         loop = seam.loop_seam(trainer)
 
@@ -243,18 +240,12 @@ class StragglerMonitor(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after a checkpoint was restored (on_fit_start runs before the restore)
         self._last_step = trainer.global_step
-        world = trainer.world_size
-        if len(self.total_step_ms) != world:
-            if self.steps_timed:
-                log.warning(
-                    "StragglerMonitor: the run had %d ranks, now %d; whole-run totals restart.",
-                    len(self.total_step_ms),
-                    world,
-                )
-            self.total_step_ms, self.total_wait_ms = np.zeros(world), np.zeros(world)
-            self.steps_timed = 0
-        self._unlogged = np.zeros((world, len(SERIES) + 1))
-        self._file = _open_jsonl(self.jsonl_path, trainer.global_step)
+        self.recorder.start(
+            self.jsonl_path,
+            trainer.global_step,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+        )
         self._fitting = True
 
     # -- per micro-batch -----------------------------------------------------------------------
@@ -298,7 +289,7 @@ class StragglerMonitor(Callback):
         if not self.enabled:
             return
         self.timer.end_step(trainer.global_step, trainer.current_epoch)
-        self._collect(trainer)
+        self.recorder.collect()
         if trainer.global_step % self.log_every_n_steps == 0:
             self._gather_and_log(trainer)
 
@@ -315,8 +306,7 @@ class StragglerMonitor(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._failed or not self.enabled:
             return
-        if self.timer.device.device:
-            torch.cuda.synchronize()  # once, at the end: resolve the last steps' events
+        self.recorder.synchronize()  # once, at the end: resolve the last steps' events
         self._gather_and_log(trainer)  # every rank gets here: gather what is left
 
     @override
@@ -327,10 +317,7 @@ class StragglerMonitor(Callback):
         # the JSON lines written so far (the steps before a crash are the ones worth reading)
         self._failed = True
         self._fitting = False
-        if self._file is not None:
-            self._collect(trainer)
-        self._window.clear()
-        self.timer.discard_step()
+        self.recorder.abort()
         self._cleanup()
 
     @override
@@ -348,67 +335,39 @@ class StragglerMonitor(Callback):
         if self._restore_hook is not None:
             seam.set_ddp_comm_hook(*self._restore_hook)
             self._restore_hook = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self.recorder.close()
 
     @property
     def enabled(self) -> bool:
         """Whether steps are timed. Switch it only between optimizer steps and identically on
         every rank (say from a callback keyed on ``global_step``): the gather is a collective."""
-        return self.timer.enabled
+        return self.recorder.enabled
 
     @enabled.setter
     def enabled(self, value: bool) -> None:
-        self.timer.enabled = value
+        self.recorder.enabled = value
 
     # -- gathering -----------------------------------------------------------------------------
-    def _collect(self, trainer: L.Trainer) -> None:
-        for step in self.timer.drain():
-            self._window.append(step)
-            self._file.write(json.dumps(step.to_json(trainer.global_rank, trainer.world_size)))
-            self._file.write("\n")
-
     def _gather(self, trainer: L.Trainer) -> None:
-        """Adds every rank's steps since the last gather to the totals (on every rank). A
+        """Adds every rank's steps since the last gather to the recorder's totals. A
         collective: every rank calls it at the same point (a log point, a checkpoint save, the
         end of training)."""
-        self._collect(trainer)
-        self._file.flush()
-        row = torch.tensor(window_row(self._window), dtype=torch.float64)
-        self._window.clear()
+        strategy = trainer.strategy
         # one small all-gather through the strategy (the only collective the monitor adds)
-        gathered = trainer.strategy.all_gather(row.to(trainer.strategy.root_device))
-        table = gathered.reshape(-1, row.numel()).cpu().numpy()  # (R, 1 + len(SERIES))
-        self.steps_timed += int(table[:, 0].min())
-        self.total_step_ms += table[:, -1]
-        self.total_wait_ms += table[:, 1 + PHASES.index("sync_wait")]
-        self.total_wait_ms += table[:, 1 + PHASES.index("lightning_sync")]
-        self._unlogged = self._unlogged + table
+        self.recorder.gather(lambda row: strategy.all_gather(row.to(strategy.root_device)))
 
     def _gather_and_log(self, trainer: L.Trainer) -> None:
         self._gather(trainer)
-        table, self._unlogged = self._unlogged, np.zeros_like(self._unlogged)
-        if not trainer.is_global_zero or table[:, 0].min() == 0:
+        metrics = self.recorder.metrics()  # means since the last log point, on every rank
+        if not trainer.is_global_zero or not metrics:
             return
-        metrics = per_rank_metrics(table)  # means since the last log point
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
     def summary(self) -> dict[str, Any]:
         """Whole-run totals, the same on every rank (as of the last gather: a log point, a
         checkpoint save; complete after ``fit``)."""
-        if not len(self.total_step_ms):
-            return {"steps_timed": 0, "waste_frac": 0.0, "slowest_rank": 0,
-                    "busy_ms_per_rank": [], "wait_ms_per_rank": []}  # fmt: skip
-        stats = stats_from_waits(self.total_wait_ms, self.total_step_ms)
-        return {
-            "steps_timed": self.steps_timed,
-            "waste_frac": stats.waste_frac,
-            "slowest_rank": stats.worst_rank,
-            "busy_ms_per_rank": [round(float(b), 1) for b in stats.busy_ms],
-            "wait_ms_per_rank": [round(float(w), 1) for w in stats.wait_ms],
-        }
+        return self.recorder.summary()
 
     # -- checkpointing ---------------------------------------------------------------------------
     @override
@@ -416,66 +375,27 @@ class StragglerMonitor(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self.timer.pause()  # a save between two micro-batches is not training time
-        if not self._fitting or self._file is None:
+        if not self._fitting or not self.recorder.is_open:
             return  # after fit (the totals are complete) or outside it: no collective
         if trainer.interrupted or "callbacks" not in checkpoint:
             # after an exception other ranks may never save (OnExceptionCheckpoint): no
             # collective, the totals are those of the last gather; weights only: no state
-            self._file.flush()
+            self.recorder.flush()
             return
         # Lightning calls `state_dict` before this hook, with the totals of the last gather.
         # Every rank saves (`Trainer.save_checkpoint` ends in a barrier), and reaches this hook
         # at the same point of its `dump_checkpoint`: gather the steps since the last gather
-        if self.timer.device.device:
-            torch.cuda.synchronize()  # resolve every step up to here (a save syncs anyway)
+        self.recorder.synchronize()  # resolve every step up to here (a save syncs anyway)
         self._gather(trainer)
         checkpoint["callbacks"][self.state_key] = self.state_dict()
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "total_step_ms": self.total_step_ms.tolist(),
-            "total_wait_ms": self.total_wait_ms.tolist(),
-            "steps_timed": self.steps_timed,
-        }
+        return self.recorder.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.total_step_ms = np.asarray(state_dict["total_step_ms"], dtype=np.float64)
-        self.total_wait_ms = np.asarray(state_dict["total_wait_ms"], dtype=np.float64)
-        self.steps_timed = int(state_dict["steps_timed"])
-
-
-def _open_jsonl(path: Path, start_step: int) -> Any:
-    """Opens a rank's JSON-lines file for appending, first dropping its records past
-    ``start_step`` (after a resume, the steps that are trained again) and any line cut short by
-    a crash, so that the file holds each optimizer step once."""
-    if path.exists():
-        kept, dropped = [], 0
-        with open(path) as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                try:
-                    step = int(json.loads(line)["global_step"])
-                except (ValueError, KeyError, TypeError):
-                    step = None  # not a whole record
-                if step is not None and step <= start_step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-                else:
-                    dropped += 1
-        if dropped:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
-            log.warning(
-                "StragglerMonitor: dropped %d records past global_step %d from %s (training"
-                " starts at that step: each step is written once)",
-                dropped,
-                start_step,
-                path,
-            )
-    return open(path, "a")
+        self.recorder.load_state_dict(state_dict)
 
 
 def _resolve_module(

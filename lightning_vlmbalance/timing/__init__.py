@@ -1,6 +1,8 @@
-"""Straggler timing core: per-rank phase timers, the comm-hook wait timer, straggler statistics."""
+"""Straggler timing core: per-rank phase timers, the comm-hook wait timer, straggler statistics,
+and :class:`StragglerRecorder`, one rank's JSON lines and whole-run totals (no Lightning)."""
 
 from lightning_vlmbalance.timing.comm_hook import timed_comm_hook
+from lightning_vlmbalance.timing.monitor import StragglerRecorder
 from lightning_vlmbalance.timing.summary import (
     SERIES,
     StragglerStats,
@@ -10,14 +12,28 @@ from lightning_vlmbalance.timing.summary import (
     straggler_stats,
     window_row,
 )
-from lightning_vlmbalance.timing.timer import PHASES, WAIT_PHASES, ResolvedStep, StepTimer
+from lightning_vlmbalance.timing.timer import (
+    COMPUTE_PHASES,
+    DEVICE_PHASES,
+    LIGHTNING_SYNC,
+    MEASURED_PHASES,
+    SYNC_WAIT,
+    WAIT_PHASES,
+    ResolvedStep,
+    StepTimer,
+)
 
 __all__ = [
-    "PHASES",
+    "COMPUTE_PHASES",
+    "DEVICE_PHASES",
+    "LIGHTNING_SYNC",
+    "MEASURED_PHASES",
     "SERIES",
+    "SYNC_WAIT",
     "WAIT_PHASES",
     "ResolvedStep",
     "StepTimer",
+    "StragglerRecorder",
     "StragglerStats",
     "custom_scalars_layout",
     "per_rank_metrics",

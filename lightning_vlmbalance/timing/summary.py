@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_vlmbalance.timing.timer import PHASES, WAIT_PHASES, ResolvedStep
+from lightning_vlmbalance.timing.timer import MEASURED_PHASES, WAIT_PHASES, ResolvedStep
 
 __all__ = [
     "SERIES",
@@ -29,8 +29,8 @@ __all__ = [
     "window_row",
 ]
 
-_WAIT_IDX = [PHASES.index(p) for p in WAIT_PHASES]
-SERIES: tuple[str, ...] = (*PHASES, "step")  # what is logged per rank
+_WAIT_IDX = [MEASURED_PHASES.index(p) for p in WAIT_PHASES]
+SERIES: tuple[str, ...] = (*MEASURED_PHASES, "step")  # what is logged per rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,14 +46,15 @@ def straggler_stats(phases_ms: np.ndarray, step_ms: np.ndarray) -> StragglerStat
     """Straggler statistics from per-rank phase times.
 
     Args:
-        phases_ms: ``(R, len(PHASES))`` milliseconds per step of each rank, in ``PHASES`` order.
+        phases_ms: ``(R, len(MEASURED_PHASES))`` milliseconds per step of each rank, in
+            ``MEASURED_PHASES`` order.
         step_ms: ``(R,)`` step milliseconds of each rank.
     """
     phases_ms = np.asarray(phases_ms, dtype=np.float64)
     step_ms = np.asarray(step_ms, dtype=np.float64)
-    if phases_ms.ndim != 2 or phases_ms.shape != (len(step_ms), len(PHASES)):
+    if phases_ms.ndim != 2 or phases_ms.shape != (len(step_ms), len(MEASURED_PHASES)):
         raise ValueError(
-            f"phases_ms must be (ranks, {len(PHASES)}) and match step_ms, got"
+            f"phases_ms must be (ranks, {len(MEASURED_PHASES)}) and match step_ms, got"
             f" {phases_ms.shape} and {step_ms.shape}"
         )
     return stats_from_waits(phases_ms[:, _WAIT_IDX].sum(axis=1), step_ms)
@@ -77,11 +78,11 @@ def stats_from_waits(wait_ms: np.ndarray, step_ms: np.ndarray) -> StragglerStats
 
 def window_row(steps: Sequence[ResolvedStep]) -> np.ndarray:
     """One rank's window of resolved steps as the row gathered to rank 0: ``[n_steps, sum of
-    each phase's ms (PHASES order), sum of step ms]``."""
+    each phase's ms (MEASURED_PHASES order), sum of step ms]``."""
     row = np.zeros(len(SERIES) + 1)
     row[0] = len(steps)
     for step in steps:
-        row[1:-1] += [step.phases_ms[p] for p in PHASES]
+        row[1:-1] += [step.phases_ms[p] for p in MEASURED_PHASES]
         row[-1] += step.step_ms
     return row
 

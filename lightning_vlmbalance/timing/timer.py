@@ -42,10 +42,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["PHASES", "WAIT_PHASES", "ResolvedStep", "StepTimer"]
+__all__ = [
+    "COMPUTE_PHASES",
+    "DEVICE_PHASES",
+    "LIGHTNING_SYNC",
+    "MEASURED_PHASES",
+    "SYNC_WAIT",
+    "WAIT_PHASES",
+    "ResolvedStep",
+    "StepTimer",
+]
 
-PHASES = ("data", "vision_fwd", "llm_fwd", "backward", "optimizer", "sync_wait", "lightning_sync")
-WAIT_PHASES = ("sync_wait", "lightning_sync")
+# The phases the monitor measures per micro-batch (the modelled ones, which the cost model
+# predicts per pack, are `balance.cost.MODELLED_PHASES`).
+SYNC_WAIT = "sync_wait"  # the wait at the gradient all-reduce
+LIGHTNING_SYNC = "lightning_sync"  # the wait at Lightning's per-micro-batch flag broadcast
+COMPUTE_PHASES = ("vision_fwd", "llm_fwd", "backward")
+MEASURED_PHASES = ("data", *COMPUTE_PHASES, "optimizer", SYNC_WAIT, LIGHTNING_SYNC)
+WAIT_PHASES = (SYNC_WAIT, LIGHTNING_SYNC)
+DEVICE_PHASES = (*COMPUTE_PHASES, "optimizer", SYNC_WAIT)  # timed with device events on CUDA
 
 
 class _HostClock:
@@ -287,7 +302,7 @@ class StepTimer:
             return
         interval.end = interval.clock.mark()
         if self._sync_entry is not None and interval.clock is self.device:
-            wait = _Interval("sync_wait", self.device, self._sync_entry, interval.end)
+            wait = _Interval(SYNC_WAIT, self.device, self._sync_entry, interval.end)
             interval.minus.append(wait)
             self._current().intervals.append(wait)
             self._sync_entry = None
@@ -306,10 +321,10 @@ class StepTimer:
 
 
 def _resolve(step: _Step) -> ResolvedStep:
-    phases = dict.fromkeys(PHASES, 0.0)
+    phases = dict.fromkeys(MEASURED_PHASES, 0.0)
     micro_out = []
     for m in step.micro:
-        ms = dict.fromkeys(PHASES, 0.0)
+        ms = dict.fromkeys(MEASURED_PHASES, 0.0)
         for i in m.intervals:
             if i.end is not None:
                 ms[i.phase] += max(i.ms(), 0.0)

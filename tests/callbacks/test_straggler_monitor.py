@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from lightning_vlmbalance.timing import PHASES
+from lightning_vlmbalance.timing import MEASURED_PHASES
 from tests.jobs import check, result, run_jobs, selected
 from tests.launch import run_module
 
@@ -53,7 +53,7 @@ def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int,
     _run(tmp_path, "--accumulate", str(accumulate), "--delay-ms", str(DELAY_MS), *extra)
     acc = _events(tmp_path)
     tags = set(acc.Tags()["scalars"])
-    for phase in (*PHASES, "step"):
+    for phase in (*MEASURED_PHASES, "step"):
         for r in (0, 1):
             assert f"straggler/{phase}_ms/rank_{r}" in tags
     worst = _series(acc, "straggler/worst_rank")
@@ -73,7 +73,7 @@ def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int,
     layout = layout_pb2.Layout()
     layout.ParseFromString(config)
     charts = {c.title: c for cat in layout.category for c in cat.chart}
-    for phase in (*PHASES, "step"):
+    for phase in (*MEASURED_PHASES, "step"):
         (regex,) = charts[f"{phase}_ms"].multiline.tag
         matched = {t for t in tags if re.fullmatch(regex, t)}
         assert matched == {f"straggler/{phase}_ms/rank_{r}" for r in (0, 1)}
@@ -84,7 +84,7 @@ def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int,
         assert [row["global_step"] for row in rows[r]] == list(range(1, 13))
         row = rows[r][-1]
         assert row["rank"] == r and row["world_size"] == 2 and row["micro_batches"] == accumulate
-        assert set(row["phases_ms"]) == set(PHASES)
+        assert set(row["phases_ms"]) == set(MEASURED_PHASES)
         micro = row["micro"][0]
         assert {"pack_id", "total_tokens", "image_tokens", "vision_fwd_ms"} <= set(micro)
         for row in rows[r]:

@@ -31,10 +31,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 from lightning_vlmbalance.balance import read_monitor_jsonl
-from lightning_vlmbalance.timing import timer as timer_mod
 from tests.launch import run_module
 from tests.packing.lightning_job import SMALL_VLM, Data
-from tests.timing.test_timer import FakeClock
+from tests.timing import fake_clock
+from tests.timing.fake_clock import FakeClock
 
 FWD_S, VAL_S, SAVE_S = 0.01, 1.0, 3.0  # fake seconds: a training forward, a val batch, a save
 ROUNDING = 0.01  # ms: the JSON lines round each phase to 4 decimals; sums over a few records
@@ -42,8 +42,7 @@ ROUNDING = 0.01  # ms: the JSON lines round each phase to 4 decimals; sums over 
 
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(timer_mod, "time", fake)
+    fake = fake_clock.install(monkeypatch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield fake

@@ -2,7 +2,8 @@
 
 The host clock is injected: ``lightning_vlmbalance.timing.timer`` reads ``time.perf_counter``
 through its module attribute ``time``, which the ``clock`` fixture replaces by a clock that only
-moves when the test says so. Every interval is then exact, whatever the machine's load.
+moves when the test says so (``tests/timing/fake_clock.py``). Every interval is then exact,
+whatever the machine's load.
 """
 
 from __future__ import annotations
@@ -10,28 +11,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lightning_vlmbalance.timing import PHASES, StepTimer, straggler_stats, timed_comm_hook
+from lightning_vlmbalance.timing import MEASURED_PHASES, StepTimer, straggler_stats, timed_comm_hook
 from lightning_vlmbalance.timing import timer as timer_mod
-
-
-class FakeClock:
-    """``time.perf_counter`` for the timer module: seconds that advance only in :meth:`sleep`."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
+from tests.timing import fake_clock
+from tests.timing.fake_clock import FakeClock
 
 
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(timer_mod, "time", fake)
-    return fake
+    return fake_clock.install(monkeypatch)
 
 
 def _sleep_phase(timer: StepTimer, clock: FakeClock, phase: str, seconds: float, **kw) -> None:
@@ -60,7 +48,7 @@ def test_phases_are_summed_over_micro_batches(clock) -> None:
     assert [m["vision_fwd_ms"] for m in step.micro] == pytest.approx([10.0] * 3)
     assert step.phases_ms["vision_fwd"] == pytest.approx(30.0)
     assert step.step_ms == pytest.approx(36.0)  # first mark to end_step
-    assert all(step.phases_ms[p] == 0 for p in PHASES if p != "vision_fwd")
+    assert all(step.phases_ms[p] == 0 for p in MEASURED_PHASES if p != "vision_fwd")
     assert timer.drain() == []
 
 
@@ -115,9 +103,9 @@ def test_discarded_step_is_not_reported(clock) -> None:
 
 
 def test_straggler_stats() -> None:
-    phases = np.zeros((3, len(PHASES)))
-    phases[0, PHASES.index("sync_wait")] = 40.0
-    phases[2, PHASES.index("lightning_sync")] = 30.0
+    phases = np.zeros((3, len(MEASURED_PHASES)))
+    phases[0, MEASURED_PHASES.index("sync_wait")] = 40.0
+    phases[2, MEASURED_PHASES.index("lightning_sync")] = 30.0
     stats = straggler_stats(phases, np.array([100.0, 100.0, 100.0]))
     assert stats.worst_rank == 1
     assert stats.waste_frac == pytest.approx(70 / 300)
