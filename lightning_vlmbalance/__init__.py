@@ -2,9 +2,13 @@
 
 Public API (everything else is private):
 
-- Packing-aware sampling: :class:`PackingSampler`, :class:`PackedDataLoader`,
-  :class:`PackCollator`, :func:`pack_greedy` (see ``docs/packing.md``).
-- Packed attention: :func:`packed_attention` (see ``docs/packed_attention.md``).
+- Packing-aware sampling: :class:`PackingSampler` with :class:`PackingConfig` and, to balance
+  at the source, :class:`SourceBalance`; :class:`PackedDataLoader`, :class:`PackCollator`
+  (``IGNORE_INDEX`` for masked labels), :func:`pack_greedy` and :class:`Packs`,
+  :func:`packing_efficiency`, :func:`build_epoch_plan` and its :class:`EpochPlan` (see
+  ``docs/packing.md``); the baseline packers are in ``lightning_vlmbalance.packing``.
+- Packed attention: :func:`packed_attention`, :func:`attention_backend`,
+  :func:`flash_attn_available` (see ``docs/packed_attention.md``).
 - The loss contract: :func:`packed_cross_entropy`, :class:`PackedLoss`; every batch's
   ``loss_weight`` makes each optimizer step's gradient that of the token-mean loss over the
   whole global batch (see ``docs/loss.md``).
@@ -13,13 +17,15 @@ Public API (everything else is private):
   :func:`offload_activations` (see ``docs/activation_offload.md``).
 - MoE routing: :class:`CompiledMoERouting` (callback); the core in
   ``lightning_vlmbalance.moe`` (see ``docs/moe_routing.md``).
-- Rebalancing: ``Trainer(strategy="vlmbalance")`` / :class:`VLMBalanceStrategy` (importing
-  the package registers the names), its options :class:`RebalanceConfig`, the component a
-  strategy owns :class:`Rebalancer`, the loader :class:`RebalancingLoader` (users may wrap their
-  loader in it) and the error it raises, :class:`ExchangeError`; the core: :class:`CostModel`,
-  :func:`plan_rebalance`, :class:`RebalancePlan` (see ``docs/rebalancing.md``).
-- Synthetic data for examples and tests: :func:`synthetic_length_table`,
-  :class:`SyntheticVLMDataset`, :func:`read_length_csv`.
+- Rebalancing: ``Trainer(strategy="vlmbalance")`` / :class:`VLMBalanceStrategy` and
+  ``"fsdp_vlmbalance"`` / :class:`FSDPVLMBalanceStrategy` (importing the package registers the
+  names), their options :class:`RebalanceConfig`, the loader :class:`RebalancingLoader` (users
+  may wrap their loader in it) and the error it raises, :class:`ExchangeError`; the core:
+  :class:`CostModel`, :func:`plan_rebalance`, :class:`RebalancePlan` (see
+  ``docs/rebalancing.md``). The component a strategy owns, ``Rebalancer``, is in
+  ``lightning_vlmbalance.strategy``; the data-parallel world in ``lightning_vlmbalance.parallel``.
+- Length tables and synthetic data for examples and tests: :class:`LengthTable`,
+  :func:`read_length_csv`, :func:`synthetic_length_table`, :class:`SyntheticVLMDataset`.
 """
 
 from lightning_vlmbalance.attention import attention_backend, flash_attn_available, packed_attention
@@ -42,12 +48,12 @@ from lightning_vlmbalance.packing import (
     PackingConfig,
     PackingSampler,
     Packs,
+    SourceBalance,
     build_epoch_plan,
-    pack_best_fit_decreasing,
     pack_greedy,
     packing_efficiency,
 )
-from lightning_vlmbalance.strategy import FSDPVLMBalanceStrategy, Rebalancer, VLMBalanceStrategy
+from lightning_vlmbalance.strategy import FSDPVLMBalanceStrategy, VLMBalanceStrategy
 from lightning_vlmbalance.synthetic import (
     LengthTable,
     SyntheticVLMDataset,
@@ -75,8 +81,8 @@ __all__ = [
     "Packs",
     "RebalanceConfig",
     "RebalancePlan",
-    "Rebalancer",
     "RebalancingLoader",
+    "SourceBalance",
     "StragglerMonitor",
     "SyntheticVLMDataset",
     "VLMBalanceStrategy",
@@ -84,7 +90,6 @@ __all__ = [
     "build_epoch_plan",
     "flash_attn_available",
     "offload_activations",
-    "pack_best_fit_decreasing",
     "pack_greedy",
     "packed_attention",
     "packed_cross_entropy",

@@ -39,6 +39,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from lightning_vlmbalance.parallel import data_parallel_world
+
 __all__ = [
     "PackedLoss",
     "loss_weight",
@@ -177,10 +179,16 @@ def packed_cross_entropy(
 def check_weighted_for(batch: dict[str, Any], module: Any) -> None:
     """Raises ``ValueError`` if ``batch`` was weighted for other ranks or micro-steps than the
     Trainer that trains ``module`` uses (no check outside training)."""
-    trainer = getattr(module, "_trainer", None)
-    if trainer is None or not trainer.training:
+    try:
+        trainer = module.trainer
+    except (RuntimeError, AttributeError):  # not attached to a Trainer, or no LightningModule
         return
-    expected = (gradient_ranks(trainer), int(trainer.accumulate_grad_batches))
+    if trainer is None or not getattr(trainer, "training", False):
+        return
+    expected = (
+        data_parallel_world(trainer.strategy).gradient_ranks,
+        int(trainer.accumulate_grad_batches),
+    )
     got = tuple(batch.get("meta", {}).get("weighted_for", (1, 1)))
     if got != expected:
         raise ValueError(
@@ -190,20 +198,3 @@ def check_weighted_for(batch: dict[str, Any], module: Any) -> None:
             " the token-mean loss. Build the training loader as `PackedDataLoader(...,"
             " trainer=self.trainer)`, or use `Trainer(strategy='vlmbalance')`"
         )
-
-
-def gradient_ranks(trainer: Any) -> int:
-    """Ranks the strategy averages gradients over: its ``gradient_average_ranks`` if it says,
-    else its data-parallel size (``distributed_sampler_kwargs["num_replicas"]``: the world under
-    DDP, the ``data_parallel`` mesh dimension under ``ModelParallelStrategy``), else the world."""
-    strategy = trainer.strategy
-    ranks = getattr(strategy, "gradient_average_ranks", None)
-    if ranks is not None:
-        return int(ranks)
-    try:
-        kwargs = strategy.distributed_sampler_kwargs
-    except (AttributeError, RuntimeError, AssertionError):  # no mesh yet, one device
-        kwargs = None
-    if kwargs and "num_replicas" in kwargs:
-        return int(kwargs["num_replicas"])
-    return int(trainer.world_size)

@@ -3,7 +3,7 @@
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import (
     FEATURES,
-    PHASES,
+    MODELLED_PHASES,
     CostModel,
     FitReport,
     features_from_meta,
@@ -22,9 +22,9 @@ from lightning_vlmbalance.balance.planner import (
 
 __all__ = [
     "FEATURES",
+    "MODELLED_PHASES",
     "MODES",
     "OBJECTIVES",
-    "PHASES",
     "CostModel",
     "ExchangeError",
     "FitReport",

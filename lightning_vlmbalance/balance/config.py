@@ -4,12 +4,24 @@ loader and the simulator (no Lightning import)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
-from lightning_vlmbalance.balance.planner import OBJECTIVES
+from lightning_vlmbalance.balance.planner import OBJECTIVES, Objective
 
-__all__ = ["MODES", "RebalanceConfig"]
+__all__ = ["MODES", "RebalanceConfig", "resolve_objective"]
 
-MODES: tuple[str, ...] = ("overlap", "sync", "off")
+Mode = Literal["overlap", "sync", "off"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+
+def resolve_objective(objective: str, *, sync_every_micro_batch: bool) -> str:
+    """The one place ``objective="auto"`` is decided: ``"microstep"`` if the ranks synchronise
+    at every micro-batch (FSDP, or Lightning's per-micro-batch flag broadcast; see
+    :func:`lightning_vlmbalance.parallel.meets_every_micro_batch`), else ``"step"``. Any other
+    objective is returned as it is."""
+    if objective != "auto":
+        return objective
+    return "microstep" if sync_every_micro_batch else "step"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -37,8 +49,8 @@ class RebalanceConfig:
         trainer = L.Trainer(strategy=VLMBalanceStrategy(config=config))
     """
 
-    mode: str = "overlap"
-    objective: str = "auto"
+    mode: Mode = "overlap"
+    objective: Literal["auto"] | Objective = "auto"
     tolerance: float = 0.0
     exchange_timeout_s: float = 300.0
 
@@ -61,6 +73,5 @@ class RebalanceConfig:
         """This config with ``objective="auto"`` decided: ``"microstep"`` if the ranks
         synchronise at every micro-batch (FSDP, or Lightning's per-micro-batch flag broadcast),
         else ``"step"``."""
-        if self.objective != "auto":
-            return self
-        return replace(self, objective="microstep" if sync_every_micro_batch else "step")
+        objective = resolve_objective(self.objective, sync_every_micro_batch=sync_every_micro_batch)
+        return self if objective == self.objective else replace(self, objective=objective)

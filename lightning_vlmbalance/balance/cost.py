@@ -37,13 +37,14 @@ import numpy as np
 
 __all__ = [
     "FEATURES",
-    "PHASES",
+    "MODELLED_PHASES",
     "CostModel",
     "FitReport",
     "features_from_meta",
     "features_from_packs",
     "nnls",
     "read_monitor_jsonl",
+    "sample_features",
 ]
 
 FEATURES: tuple[str, ...] = (
@@ -53,7 +54,7 @@ FEATURES: tuple[str, ...] = (
     "image_sq_tokens",
     "doc_sq_tokens",
 )
-PHASES: tuple[str, ...] = ("vision_fwd", "vision_bwd", "llm_fwd", "llm_bwd")
+MODELLED_PHASES: tuple[str, ...] = ("vision_fwd", "vision_bwd", "llm_fwd", "llm_bwd")
 _VISION_TERMS = ("image_pack", "images", "image_tokens", "image_sq_tokens")
 _LLM_TERMS = ("pack", "total_tokens", "doc_sq_tokens")
 _TERMS = {
@@ -160,7 +161,9 @@ class CostModel:
             )
         for phase, terms in self.coefficients.items():
             if phase not in merged:
-                raise ValueError(f"`CostModel`: unknown phase {phase!r}; phases are {PHASES}")
+                raise ValueError(
+                    f"`CostModel`: unknown phase {phase!r}; phases are {MODELLED_PHASES}"
+                )
             if not isinstance(terms, Mapping):
                 raise ValueError(
                     f"`CostModel`: coefficients of {phase} must be a mapping {{term: ms per"
@@ -193,12 +196,27 @@ class CostModel:
         return {
             phase: terms[:, [_ALL_TERMS.index(t) for t in _TERMS[phase]]]
             @ np.array([self.coefficients[phase][t] for t in _TERMS[phase]])
-            for phase in PHASES
+            for phase in MODELLED_PHASES
         }
 
     def pack_cost_ms(self, features: Mapping[str, Any]) -> np.ndarray:
         """Forward plus backward milliseconds of each pack, ``(N,) float64``."""
         return np.sum(list(self.predict(features).values()), axis=0)
+
+    def additive_cost_ms(self, features: Mapping[str, Any]) -> tuple[np.ndarray, float, float]:
+        """Each row's forward plus backward milliseconds from its additive terms (every term
+        but ``pack`` and ``image_pack``), and the two per-pack costs: what every pack pays once
+        and what a pack with any image pays once. For rows of :func:`sample_features` (one
+        sample each) the first sums over a pack's samples to the pack's cost less those two:
+        the source former's per-sample costs, from the same term matrix as :meth:`predict`."""
+        terms = _term_matrix(features)
+        per_term = np.array(
+            [sum(self.coefficients[p].get(t, 0.0) for p in MODELLED_PHASES) for t in _ALL_TERMS]
+        )
+        fixed = [_ALL_TERMS.index(t) for t in _PER_PACK_TERMS]
+        additive = [i for i in range(len(_ALL_TERMS)) if i not in fixed]
+        pack, image_pack = (float(per_term[_ALL_TERMS.index(t)]) for t in _PER_PACK_TERMS)
+        return terms[:, additive] @ per_term[additive], pack, image_pack
 
     def pack_cost_us(self, features: Mapping[str, Any]) -> np.ndarray:
         """:meth:`pack_cost_ms` rounded to integer microseconds: the planner's input."""
@@ -379,6 +397,7 @@ class CostModel:
 
 
 _ALL_TERMS: tuple[str, ...] = (*_VISION_TERMS, *_LLM_TERMS)
+_PER_PACK_TERMS = ("pack", "image_pack")  # paid once per pack, not per sample
 
 
 def _term_matrix(features: Mapping[str, Any]) -> np.ndarray:
@@ -576,19 +595,28 @@ def features_from_meta(meta: Mapping[str, Any]) -> dict[str, int]:
 def features_from_packs(
     packs: Any, total_tokens: np.ndarray, image_tokens: np.ndarray, images: np.ndarray
 ) -> dict[str, np.ndarray]:
-    """Pack features from a per-sample length table and a :class:`~..packing.Packs`.
+    """Pack features from a per-sample length table and a :class:`~..packing.Packs`: the sums
+    of its samples' :func:`sample_features`."""
+    per_sample = sample_features(total_tokens, image_tokens, images)
+    return {name: packs.tokens(column) for name, column in per_sample.items()}
 
-    A sample's image tokens are taken as split evenly over its images (the length table has no
-    per-image sizes); each sample is one document.
+
+def sample_features(
+    total_tokens: np.ndarray, image_tokens: np.ndarray, images: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Each sample's cost features (:data:`FEATURES`, ``int64``) as if it were a pack of its own.
+
+    A sample is one document; its image tokens are taken as split evenly over its images (the
+    length table has no per-image sizes), the squared size rounded down: the one rounding rule
+    of every user of a length table (pack features, the source former's per-sample costs).
     """
     total = np.asarray(total_tokens, dtype=np.int64)
     image = np.asarray(image_tokens, dtype=np.int64)
     count = np.asarray(images, dtype=np.int64)
-    image_sq = np.where(count > 0, image * image // np.maximum(count, 1), 0)
     return {
-        "total_tokens": packs.tokens(total),
-        "image_tokens": packs.tokens(image),
-        "images": packs.tokens(count),
-        "image_sq_tokens": packs.tokens(image_sq),
-        "doc_sq_tokens": packs.tokens(total * total),
+        "total_tokens": total,
+        "image_tokens": image,
+        "images": count,
+        "image_sq_tokens": np.where(count > 0, image * image // np.maximum(count, 1), 0),
+        "doc_sq_tokens": total * total,
     }

@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -49,14 +49,37 @@ from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, wait_pack_ready
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import optimizer_steps, weigh_step
+from lightning_vlmbalance.packing.sampler import PackedDataLoader
 
-__all__ = ["MODES", "RebalancingLoader"]
+__all__ = ["MODES", "RebalancingLoader", "ResumablePackSource"]
 
 log = logging.getLogger(__name__)
 
 _END = object()
 _STATS_KEPT = 1000
 EXCHANGE_THREAD = "vlmbalance-exchange"
+
+
+@runtime_checkable
+class ResumablePackSource(Protocol):
+    """What a :class:`RebalancingLoader` needs of the loader it wraps to be resumable itself
+    (:class:`~lightning_vlmbalance.PackedDataLoader` is one; a streamed source can be).
+
+    ``start`` is the position (in the pass's epoch or stream) of the pass's first batch, read
+    after that batch was fetched; ``state_at(position)`` is the checkpoint state that resumes at
+    ``position`` of the pass in progress; ``state_dict`` / ``load_state_dict`` as for Lightning.
+    A loader without them makes the wrapper not resumable (Lightning then warns on a mid-epoch
+    resume): the wrapper reads ahead, so the inner loader's own position would skip packs.
+    """
+
+    @property
+    def start(self) -> int: ...
+
+    def state_at(self, position: int) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class _Failure:
@@ -203,6 +226,8 @@ class RebalancingLoader:
         config = config if config is not None else RebalanceConfig(**options)
         self.config = config.resolved(sync_every_micro_batch=True)
         self.loader = loader
+        if isinstance(loader, PackedDataLoader):
+            loader.weighed_by(self)  # this loader weighs every step: the inner one must not
         self.micro_steps = micro_steps
         self.world_size = world_size
         self.rank = rank
@@ -227,7 +252,6 @@ class RebalancingLoader:
         self.received_bytes_total = 0  # tensor bytes of the packs this rank received
         self._pass: _Pass | None = None  # the overlapped pass in progress
         self._pass_start: int | None = None  # inner position where this pass started
-        self._pass_epoch: Any = None
         self._yielded = 0
 
     def __len__(self) -> int:
@@ -280,11 +304,10 @@ class RebalancingLoader:
         self._ready_events.clear()
 
     def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
-        self._pass_start, self._pass_epoch, self._yielded = None, None, 0
+        self._pass_start, self._yielded = None, 0
         for batch in batches:
             if self._pass_start is None:  # the inner loader resolves its start at first next()
                 self._pass_start = self._inner_start()
-                self._pass_epoch = getattr(getattr(self.loader, "sampler", None), "epoch", None)
             self._yielded += 1
             event = self._ready_events.pop(id(batch), None)
             if event is not None:  # received on the GPU: the consumer's stream waits for it
@@ -305,7 +328,9 @@ class RebalancingLoader:
         )
 
     def _inner_start(self) -> int:
-        return int(getattr(self.loader, "start", 0))
+        """Where the inner loader's pass started: a resumable source says, any other loader
+        starts every pass at its first batch."""
+        return int(self.loader.start) if isinstance(self.loader, ResumablePackSource) else 0
 
     def _iter_inline(self) -> Iterator[Any]:
         for batches in self._global_batches():
@@ -436,26 +461,20 @@ class RebalancingLoader:
 
 
 def _resumable(loader: object) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(
-        getattr(loader, "load_state_dict", None)
-    )
+    return isinstance(loader, ResumablePackSource)
 
 
 class _ResumableRebalancingLoader(RebalancingLoader):
-    """A :class:`RebalancingLoader` over a resumable loader: Lightning checkpoints the inner
-    loader's state at the position *yielded* so far (the inner loader runs ahead by up to two
-    global batches in ``"overlap"`` mode). Checkpoints taken at optimizer-step boundaries
-    resume on a global-batch boundary, with the same packs."""
+    """A :class:`RebalancingLoader` over a :class:`ResumablePackSource`: Lightning checkpoints
+    the inner loader's state at the position *yielded* so far (the inner loader runs ahead by up
+    to two global batches in ``"overlap"`` mode, one optimizer step in the others). Checkpoints
+    taken at optimizer-step boundaries resume on a global-batch boundary, with the same packs."""
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.loader.state_dict()  # type: ignore[attr-defined]
-        if (
-            self._pass_start is not None
-            and "consumed" in state
-            and state.get("epoch") == self._pass_epoch
-        ):
-            state = {**state, "consumed": self._pass_start + self._yielded}
-        return state
+        source: ResumablePackSource = self.loader  # type: ignore[assignment]
+        if self._pass_start is None:
+            return source.state_dict()
+        return source.state_at(self._pass_start + self._yielded)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]

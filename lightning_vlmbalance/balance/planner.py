@@ -50,14 +50,15 @@ micro-steps' contents are forced: then no placement moves fewer packs than the n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
 __all__ = ["OBJECTIVES", "RebalancePlan", "naive_moved_packs", "plan_rebalance"]
 
 Objective = Literal["microstep", "step", "both"]
-OBJECTIVES: tuple[str, ...] = ("microstep", "step", "both")
+Objective = Literal["microstep", "step", "both"]
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
 
 # Rounds of swaps in the "step" repair (bounds the work on hard inputs).
 _SWAP_ROUNDS = 32

@@ -67,13 +67,13 @@ class ActivationOffload(Callback):
 
     Example::
 
-        trainer = L.Trainer(callbacks=[ActivationOffload("checkpoint", min_bytes=1 << 22)])
+        trainer = L.Trainer(callbacks=[ActivationOffload(mode="checkpoint", min_bytes=1 << 22)])
     """
 
     def __init__(
         self,
-        mode: str = "all",
         *,
+        mode: str = "all",
         min_bytes: int = 1 << 20,
         prefetch: int = 2,
         blocks: Sequence[nn.Module] | None = None,

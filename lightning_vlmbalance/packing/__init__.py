@@ -9,6 +9,7 @@ from lightning_vlmbalance.packing.binpack import (
 from lightning_vlmbalance.packing.collate import IGNORE_INDEX, PackCollator
 from lightning_vlmbalance.packing.plan import EpochPlan, PackingConfig, build_epoch_plan
 from lightning_vlmbalance.packing.sampler import PackedDataLoader, PackingSampler
+from lightning_vlmbalance.packing.source import SourceBalance
 
 __all__ = [
     "IGNORE_INDEX",
@@ -18,6 +19,7 @@ __all__ = [
     "PackingConfig",
     "PackingSampler",
     "Packs",
+    "SourceBalance",
     "build_epoch_plan",
     "pack_best_fit_decreasing",
     "pack_greedy",

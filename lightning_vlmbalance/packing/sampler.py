@@ -23,8 +23,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
 from lightning_vlmbalance import _lightning as seam
+from lightning_vlmbalance.balance.config import resolve_objective
 from lightning_vlmbalance.balance.cost import CostModel
-from lightning_vlmbalance.loss import gradient_ranks, optimizer_steps, weigh_step
+from lightning_vlmbalance.loss import optimizer_steps, weigh_step
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import (
     PADDING,
@@ -36,18 +37,11 @@ from lightning_vlmbalance.packing.plan import (
     check_length_table,
 )
 from lightning_vlmbalance.packing.source import SourceBalance, build_balanced_epoch_plan
+from lightning_vlmbalance.parallel import data_parallel_world, meets_every_micro_batch
 
 __all__ = ["PackedDataLoader", "PackingSampler"]
 
 log = logging.getLogger(__name__)
-
-
-def _dist_default(value: int | None, fn_name: str, fallback: int) -> int:
-    if value is not None:
-        return value
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return getattr(torch.distributed, fn_name)()
-    return fallback
 
 
 class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
@@ -69,25 +63,20 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             window, min_fill, overlong, remainder, packer, image_budget``).
         num_replicas: data-parallel ranks (default: the initialised process group's world size).
         rank: this rank (default: the process group's rank).
-        balance: balance at the source (:mod:`lightning_vlmbalance.packing.source`): ``True``
-            (the default :class:`~lightning_vlmbalance.CostModel`), a ``CostModel`` or a path to
-            one saved as JSON. Every global batch (``num_replicas x micro_steps`` packs) is
-            formed from the shuffled samples so its packs cost the same, and placed on ranks
-            and micro-steps for ``objective``: ranks read their packs' samples at random
-            instead of a contiguous shard; nothing moves at run time.
-        objective: ``"step"``, ``"microstep"`` or ``"auto"`` (the strategy's: ``"step"``
-            under ``"vlmbalance"``, ``"microstep"`` under ``"fsdp_vlmbalance"`` and under any
-            other strategy with more than one rank, whose ranks meet every micro-batch; else
-            ``"step"``).
-        micro_steps: packs per rank per global batch (default: the Trainer's
-            ``accumulate_grad_batches`` when the loader knows the trainer, else 1).
+        balance: balance at the source (:mod:`lightning_vlmbalance.packing.source`): a
+            :class:`~lightning_vlmbalance.SourceBalance` (every setting: cost model,
+            micro-steps, objective, ``exact``, ``plan_ahead``, the former's knobs), or ``True``
+            (``SourceBalance()``), or a ``CostModel`` or a path to one saved as JSON (with the
+            other settings' defaults). Every global batch (``num_replicas x micro_steps``
+            packs) is formed from the shuffled samples so its packs cost the same, and placed
+            on ranks and micro-steps for the objective: ranks read their packs' samples at
+            random instead of a contiguous shard; nothing moves at run time. Left to default,
+            ``micro_steps`` and ``objective="auto"`` follow the Trainer when the loader knows
+            it (``accumulate_grad_batches``; ``"step"`` under ``"vlmbalance"``,
+            ``"microstep"`` under ``"fsdp_vlmbalance"`` and under any other strategy with more
+            than one rank), else 1 and ``"step"``.
         images: images of each sample (default: one per sample with image tokens); a cost
             feature.
-        exact: with ``balance``, keep every global batch's samples of the unbalanced plan (the
-            parameters equal the unbalanced run's) and only re-form its packs where they fit;
-            the plan counts ``balanced_batches`` and ``fallback_batches``.
-        plan_ahead: with ``balance``, plan the next epoch in a background thread once the
-            current epoch's plan is made (``planned_ahead`` counts the plans taken from it).
 
     Raises:
         ValueError: for a bad length table or setting, naming the sample or the setting.
@@ -107,12 +96,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         config: PackingConfig | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
-        balance: bool | CostModel | str | None = None,
-        objective: str = "auto",
-        micro_steps: int | None = None,
+        balance: bool | SourceBalance | CostModel | str | Path | None = None,
         images: Sequence[int] | np.ndarray | None = None,
-        exact: bool = False,
-        plan_ahead: bool = True,
         **options: Any,
     ) -> None:
         if config is not None and options:
@@ -127,25 +112,17 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             else as_length_column(image_tokens, "image_tokens")
         )
         self.config = config if config is not None else PackingConfig(**options)
-        self.cost_model: CostModel | None = (
+        self.source_balance: SourceBalance | None = (
             None
             if balance is None or balance is False
-            else CostModel()
+            else SourceBalance()
             if balance is True
-            else CostModel.load(balance)
-            if isinstance(balance, str | Path)
             else balance
+            if isinstance(balance, SourceBalance)
+            else SourceBalance(cost_model=balance)
         )
-        if objective not in ("auto", "step", "microstep"):
-            raise ValueError(
-                f"`PackingSampler(objective={objective!r})`: expected 'auto', 'step' or 'microstep'"
-            )
-        self.objective = objective
-        self.exact = bool(exact)
-        self._auto_micro_steps = micro_steps is None
-        self.micro_steps = 1 if micro_steps is None else int(micro_steps)
-        if self.micro_steps < 1:
-            raise ValueError(f"`PackingSampler(micro_steps={micro_steps!r})` must be >= 1")
+        # what the trainer decides where the settings leave it (set_micro_steps)
+        self._trainer_micro_steps, self._trainer_objective = 1, "auto"
         self.images = (
             (self.image_tokens > 0).astype(np.int64)
             if images is None
@@ -156,13 +133,13 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         # given values are kept; defaults follow the process group, even one initialised later
         self._auto_replicas, self._auto_rank = num_replicas is None, rank is None
         self._data_parallel: tuple[int, int] | None = None
-        self.num_replicas = _dist_default(num_replicas, "get_world_size", 1)
-        self.rank = _dist_default(rank, "get_rank", 0)
+        world = data_parallel_world()
+        self.num_replicas = world.size if num_replicas is None else num_replicas
+        self.rank = world.rank if rank is None else rank
         self._check_rank()
         self.epoch = 0
         self._plans: dict[int, EpochPlan] = {}  # the last two epochs' plans
         self._ahead: dict[str, Any] | None = None
-        self.plan_ahead = bool(plan_ahead)
         self.planned_ahead = 0  # plans taken from the background
         digest = hashlib.sha1(self.total_tokens.tobytes())
         digest.update(self.image_tokens.tobytes())
@@ -185,7 +162,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         if self._data_parallel is not None:  # the strategy's data-parallel group
             auto_world, auto_rank = self._data_parallel
         else:
-            auto_world, auto_rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+            world = data_parallel_world()
+            auto_world, auto_rank = world.size, world.rank
         world = auto_world if self._auto_replicas else self.num_replicas
         rank = auto_rank if self._auto_rank else self.rank
         if (world, rank) != (self.num_replicas, self.rank):
@@ -233,17 +211,33 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
     @property
     def balanced(self) -> bool:
         """Whether the sampler balances its global batches at the source (``balance=``)."""
-        return self.cost_model is not None
+        return self.source_balance is not None
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost model of the source balance (``None`` unbalanced)."""
+        return None if self.source_balance is None else self.source_balance.model
+
+    @property
+    def micro_steps(self) -> int:
+        """Packs per rank per global batch the balanced plan is formed for."""
+        given = None if self.source_balance is None else self.source_balance.micro_steps
+        return self._trainer_micro_steps if given is None else given
+
+    @property
+    def objective(self) -> str:
+        """The objective the balanced plan is placed for (``"auto"``: not decided yet)."""
+        given = "auto" if self.source_balance is None else self.source_balance.objective
+        return self._trainer_objective if given == "auto" else given
 
     def set_micro_steps(self, micro_steps: int, objective: str | None = None) -> None:
-        """The Trainer's ``accumulate_grad_batches`` (and the strategy's objective), where they
-        were left to default; the loader calls this when it knows the trainer."""
-        changed = False
-        if self._auto_micro_steps and int(micro_steps) != self.micro_steps:
-            self.micro_steps, changed = int(micro_steps), True
-        if objective is not None and self.objective == "auto":
-            self.objective, changed = objective, True
-        if changed:
+        """The Trainer's ``accumulate_grad_batches`` (and the strategy's objective), where the
+        settings left them to it; the loader calls this when it knows the trainer."""
+        before = (self.micro_steps, self.objective)
+        self._trainer_micro_steps = int(micro_steps)
+        if objective is not None:
+            self._trainer_objective = objective
+        if (self.micro_steps, self.objective) != before:
             self._plans = {}
 
     def set_epoch(self, epoch: int) -> None:
@@ -269,11 +263,11 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         return plan
 
     def _settings(self, epoch: int) -> tuple:
-        return (epoch, self.num_replicas, self.micro_steps, self.objective, self.exact)
+        return (epoch, self.num_replicas, self.micro_steps, self.objective)
 
     def _build(self, settings: tuple) -> EpochPlan:
-        epoch, world, micro_steps, objective, exact = settings
-        if self.cost_model is None:
+        epoch, world, micro_steps, objective = settings
+        if self.source_balance is None:
             return build_epoch_plan(
                 self.total_tokens,
                 self.image_tokens,
@@ -288,16 +282,12 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             self.config,
             world_size=world,
             epoch=epoch,
-            balance=SourceBalance(
-                micro_steps=micro_steps,
-                objective="step" if objective == "auto" else objective,
-                exact=exact,
-            ),
-            cost_model=self.cost_model,
+            # no trainer told how the ranks meet: once per step
+            balance=self.source_balance.resolved(micro_steps=micro_steps, objective=objective),
         )
 
     def _plan_ahead(self, epoch: int) -> None:
-        if self.cost_model is None or not self.plan_ahead:
+        if self.source_balance is None or not self.source_balance.plan_ahead:
             return
         settings = self._settings(epoch)
         ahead: dict[str, Any] = {"settings": settings}
@@ -355,14 +345,15 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             "num_samples": len(self.total_tokens),
             "num_replicas": self.num_replicas,
             "length_table_sha1": self._table_hash,
+            # plans of earlier versions trained a rank's packs in packing order
+            "pack_order": "seeded" if self.config.shuffle else "packing",
             **{k: getattr(self.config, k) for k in self.config.__slots__},
             "balance": None
-            if self.cost_model is None
+            if self.source_balance is None
             else {
+                **self.source_balance.to_dict(),
                 "micro_steps": self.micro_steps,
                 "objective": self.objective,
-                "exact": self.exact,
-                "cost_model": self.cost_model.to_dict(),
             },
         }
 
@@ -375,28 +366,14 @@ def _image_feature_shape(dataset: Dataset, sampler: PackingSampler) -> tuple[int
     return tuple(torch.as_tensor(dataset[int(with_images[0])]["pixel_values"]).shape[1:])
 
 
-def _sampler_kwargs(trainer: Any) -> dict[str, int] | None:
-    """The strategy's data-parallel ``num_replicas`` and ``rank`` (None without a process group
-    or for a single-device strategy)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
-    try:
-        kwargs = trainer.strategy.distributed_sampler_kwargs
-    except (AttributeError, RuntimeError, AssertionError):
-        return None
-    if not kwargs or "num_replicas" not in kwargs or "rank" not in kwargs:
-        return None
-    return kwargs
-
-
 def _strategy_objective(trainer: Any) -> str:
-    """How often the ranks meet under the trainer's strategy: the rebalancing strategies say
-    (``resolved_objective``); under any other, Lightning's per-micro-batch SIGTERM-flag
-    broadcast (``world_size > 1``) and FSDP's collectives meet every micro-batch."""
+    """The objective the trainer's strategy balances for: a rebalancing strategy's own
+    (``resolved_objective``), else ``"auto"`` decided by how often the ranks meet."""
     objective = getattr(trainer.strategy, "resolved_objective", None)
     if objective is not None:
         return str(objective)
-    return "microstep" if trainer.world_size > 1 else "step"
+    meet = meets_every_micro_batch(trainer.strategy)
+    return resolve_objective("auto", sync_every_micro_batch=meet)
 
 
 def _check_ranks_agree(sampler: PackingSampler, epoch: int) -> None:
@@ -518,8 +495,7 @@ class PackedDataLoader:
         self.dataset = dataset
         self.sampler = sampler
         self.trainer = trainer
-        # False when a wrapper weighs the optimizer steps itself (strategy "vlmbalance")
-        self.weigh_steps = trainer is not None
+        self._weighed_by: object | None = None  # a wrapper that weighs the steps itself
         self.collate_fn = collate_fn or PackCollator(sampler.config.seq_len)
         self.dataloader_kwargs = dataloader_kwargs
         self._resume_epoch: int | None = None
@@ -539,9 +515,10 @@ class PackedDataLoader:
     def _adopt_data_parallel(self) -> None:
         """Under tensor parallelism, plan over the strategy's data-parallel group; a balanced
         sampler forms global batches of the Trainer's micro-steps."""
-        kwargs = _sampler_kwargs(self.trainer) if self.trainer is not None else None
-        if kwargs is not None:
-            self.sampler.set_data_parallel(kwargs["num_replicas"], kwargs["rank"])
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self.trainer is not None and distributed:
+            world = data_parallel_world(self.trainer.strategy)
+            self.sampler.set_data_parallel(world.size, world.rank)
         if self.trainer is not None and self.sampler.balanced:
             self.sampler.set_micro_steps(
                 int(self.trainer.accumulate_grad_batches), _strategy_objective(self.trainer)
@@ -555,6 +532,18 @@ class PackedDataLoader:
             return self.sampler.packs_per_rank(self._plan_epoch(seam.epoch_to_train(self.trainer)))
         self._told_len = len(self.sampler)
         return self._told_len
+
+    @property
+    def weigh_steps(self) -> bool:
+        """Whether this loader weighs each optimizer step's loss (:mod:`lightning_vlmbalance.loss`):
+        when it knows its trainer and no wrapper does it (see :meth:`weighed_by`)."""
+        return self.trainer is not None and self._weighed_by is None
+
+    def weighed_by(self, wrapper: object) -> None:
+        """Called by a wrapper that groups this loader's packs into optimizer steps and weighs
+        them itself (a :class:`~lightning_vlmbalance.balance.loader.RebalancingLoader`): one
+        component weighs a step, so this loader no longer does (no second sum per step)."""
+        self._weighed_by = wrapper
 
     def _training(self) -> bool:
         return self.trainer is not None and self.trainer.training
@@ -618,7 +607,7 @@ class PackedDataLoader:
     def _weighted_steps(self, trainer: Any, start: int) -> Iterator[dict[str, Any]]:
         """The inner batches, one optimizer step read ahead at a time, weighted for the step."""
         micro_steps = int(trainer.accumulate_grad_batches)
-        ranks = gradient_ranks(trainer)
+        world = data_parallel_world(trainer.strategy)
         for step in optimizer_steps(
             self._inner,
             micro_steps=micro_steps,
@@ -627,14 +616,14 @@ class PackedDataLoader:
         ):
             local = sum(int(b["loss_tokens"]) for b in step)
             tokens = torch.tensor([local], dtype=torch.int64, device=trainer.strategy.root_device)
-            copies = 1
-            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            if world.world_size > 1:
                 torch.distributed.all_reduce(tokens)  # one small all-reduce per optimizer step
-                # under tensor parallelism every data-parallel rank's packs are on each of its
-                # tensor-parallel peers: the world's sum counts them that many times
-                copies = torch.distributed.get_world_size() // self.sampler.num_replicas
-            total = int(tokens) // copies
-            weigh_step(step, global_loss_tokens=total, ranks=ranks, micro_steps=micro_steps)
+            # under tensor parallelism every data-parallel rank's packs are on each of its
+            # tensor-parallel peers: the world's sum counts them that many times
+            total = int(tokens) // world.copies
+            weigh_step(
+                step, global_loss_tokens=total, ranks=world.gradient_ranks, micro_steps=micro_steps
+            )
             yield from step
 
     @property
@@ -672,6 +661,17 @@ class PackedDataLoader:
             "consumed": self.consumed,
             "fingerprint": self.sampler.fingerprint(),
         }
+
+    def state_at(self, position: int) -> dict[str, Any]:
+        """The state that resumes at ``position`` of the pass in progress: what a wrapper that
+        reads ahead (:class:`~lightning_vlmbalance.balance.loader.RebalancingLoader`) saves,
+        the packs it has handed on rather than those it has read. Without a pass of the
+        current epoch in progress, :meth:`state_dict`."""
+        state = self.state_dict()
+        in_progress = not self._pending and self._resume_epoch is None
+        if in_progress and self._iter_epoch == self.sampler.epoch:
+            state["consumed"] = int(position)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved, current = state_dict["fingerprint"], self.sampler.fingerprint()

@@ -26,11 +26,14 @@ the length table and the settings: every rank computes the same plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
-from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
+from lightning_vlmbalance.balance.config import resolve_objective
+from lightning_vlmbalance.balance.cost import CostModel, features_from_packs, sample_features
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.packing.binpack import Packs
 from lightning_vlmbalance.packing.plan import (
@@ -51,13 +54,22 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class SourceBalance:
-    """Settings of balancing at the source.
+    """How a :class:`~lightning_vlmbalance.PackingSampler` balances at the source
+    (``PackingSampler(balance=SourceBalance(...))``; ``balance=True`` is ``SourceBalance()``).
+    Every setting of the algorithm is here; all ranks must use the same (they are part of the
+    sampler's fingerprint).
 
     Attributes:
-        micro_steps: packs per rank per global batch (``accumulate_grad_batches``).
-        objective: ``"step"`` or ``"microstep"`` (as the rebalancing planner's).
+        cost_model: the pack cost model: a :class:`~lightning_vlmbalance.CostModel`, a path to
+            one saved as JSON, or ``None`` (the defaults).
+        micro_steps: packs per rank per global batch (``accumulate_grad_batches``); ``None``: the
+            Trainer's when the loader knows it, else 1.
+        objective: ``"step"``, ``"microstep"`` (as the rebalancing planner's) or ``"auto"``
+            (how the ranks meet under the trainer's strategy,
+            :func:`~lightning_vlmbalance.balance.config.resolve_objective`; ``"step"`` without
+            a trainer).
         slack: extra tokens read into a global batch's window, as a fraction of its capacity.
         small_tokens: text samples up to this many tokens fill gaps (phase 3) instead of being
             balanced (phase 2).
@@ -70,25 +82,60 @@ class SourceBalance:
             equal the unbalanced run's) and only re-form its packs; where the samples do not
             fit into as many packs, the batch keeps its packs and the planner only places them
             (counted in the plan's ``fallback_batches``).
+        plan_ahead: plan the next epoch in a background thread once the current epoch's plan
+            is made (the sampler's ``planned_ahead`` counts the plans taken from it).
+
+    Raises:
+        ValueError: for a bad setting, quoting it.
     """
 
-    micro_steps: int = 1
-    objective: str = "step"
+    cost_model: CostModel | str | Path | None = None
+    micro_steps: int | None = None
+    objective: Literal["auto", "step", "microstep"] = "auto"
     slack: float = 0.02
     small_tokens: int = 2048
     lookahead: int = 4096
     fill_with_images: bool = False
     exact: bool = False
+    plan_ahead: bool = True
 
     def __post_init__(self) -> None:
-        if self.micro_steps < 1:
+        if self.micro_steps is not None and self.micro_steps < 1:
             raise ValueError(f"`SourceBalance(micro_steps={self.micro_steps!r})` must be >= 1")
-        if self.objective not in ("step", "microstep"):
+        if self.objective not in ("auto", "step", "microstep"):
             raise ValueError(
-                f"`SourceBalance(objective={self.objective!r})`: expected 'step' or 'microstep'"
+                f"`SourceBalance(objective={self.objective!r})`: expected 'auto', 'step' or"
+                " 'microstep'"
             )
-        if self.slack < 0 or self.small_tokens < 0 or self.lookahead < 0:
-            raise ValueError("SourceBalance: slack, small_tokens and lookahead must be >= 0")
+        for name in ("slack", "small_tokens", "lookahead"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"`SourceBalance({name}={getattr(self, name)!r})` must be >= 0")
+        if not isinstance(self.cost_model, CostModel):  # defaults, or loaded once here
+            model = CostModel() if self.cost_model is None else CostModel.load(self.cost_model)
+            object.__setattr__(self, "cost_model", model)
+
+    @property
+    def model(self) -> CostModel:
+        """The cost model (loaded)."""
+        assert isinstance(self.cost_model, CostModel)
+        return self.cost_model
+
+    def resolved(self, *, micro_steps: int, objective: str) -> SourceBalance:
+        """These settings with ``micro_steps`` and ``objective`` decided where left to the
+        trainer (``None`` and ``"auto"``)."""
+        return replace(
+            self,
+            micro_steps=micro_steps if self.micro_steps is None else self.micro_steps,
+            objective=resolve_objective(
+                objective if self.objective == "auto" else self.objective,
+                sync_every_micro_batch=False,
+            ),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready settings (the cost model's coefficients included): a fingerprint."""
+        out = {name: getattr(self, name) for name in self.__slots__ if name != "cost_model"}
+        return {**out, "cost_model": self.model.to_dict()}
 
 
 def form_balanced_batches(
@@ -153,23 +200,9 @@ def sample_costs(
     """Each sample's additive cost under ``cost_model`` (all phases) and the fixed cost a pack
     pays once when any of its samples has an image (the per-pack constant is left out: every
     pack pays it)."""
-    coef = cost_model.coefficients
-    terms: dict[str, float] = {}
-    for phase in coef.values():
-        for term, value in phase.items():
-            terms[term] = terms.get(term, 0.0) + float(value)
-    total = np.asarray(total_tokens, dtype=np.float64)
-    image = np.asarray(image_tokens, dtype=np.float64)
-    count = np.asarray(images, dtype=np.float64)
-    image_sq = np.where(count > 0, image * image / np.maximum(count, 1), 0.0)
-    cost = (
-        terms.get("total_tokens", 0.0) * total
-        + terms.get("doc_sq_tokens", 0.0) * total * total
-        + terms.get("image_tokens", 0.0) * image
-        + terms.get("images", 0.0) * count
-        + terms.get("image_sq_tokens", 0.0) * image_sq
-    )
-    return cost, terms.get("image_pack", 0.0)
+    features = sample_features(total_tokens, image_tokens, images)
+    cost, _, image_pack = cost_model.additive_cost_ms(features)
+    return cost, image_pack
 
 
 def build_balanced_epoch_plan(
@@ -181,7 +214,7 @@ def build_balanced_epoch_plan(
     world_size: int,
     epoch: int,
     balance: SourceBalance,
-    cost_model: CostModel,
+    cost_model: CostModel | None = None,
 ) -> EpochPlan:
     """The epoch plan of a source-balanced sampler (see the module docstring): rank ``r``'s
     packs in order, ``micro_steps`` per global batch, placed by the planner for the objective.
@@ -190,6 +223,12 @@ def build_balanced_epoch_plan(
         ValueError: as :func:`~lightning_vlmbalance.packing.plan.build_epoch_plan`, and for
             ``remainder='drop'`` (a balanced plan pads its last global batch).
     """
+    if balance.micro_steps is None or balance.objective == "auto":
+        raise ValueError(
+            "build_balanced_epoch_plan needs `micro_steps` and `objective` decided:"
+            f" {balance.micro_steps=}, {balance.objective=} (`SourceBalance.resolved(...)`)"
+        )
+    cost_model = balance.model if cost_model is None else cost_model
     total_tokens = as_length_column(total_tokens, "total_tokens")
     image_tokens = as_length_column(image_tokens, "image_tokens")
     check_length_table(total_tokens, image_tokens)
@@ -279,7 +318,7 @@ def _place(
         return [[r] for r in range(R)]
     feats = features_from_packs(batch, lengths, image_tokens, images)
     pack_cost = np.zeros(R * G, dtype=np.int64)
-    pack_cost[: len(batch)] = np.round(cost_model.pack_cost_ms(feats) * 1000)
+    pack_cost[: len(batch)] = cost_model.pack_cost_us(feats)
     return (
         plan_rebalance(
             pack_cost, np.repeat(np.arange(R), G), R, G, objective=objective, tolerance=0.0

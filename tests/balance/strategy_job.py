@@ -59,9 +59,7 @@ class SourceBalancedData(Data):
             seq_len=self.seq_len,
             seed=3,
             window=64,  # Data's: exact=True keeps its unbalanced plan's global batches
-            balance=True,
-            exact=self.exact,
-            objective=self.objective,
+            balance=vb.SourceBalance(exact=self.exact, objective=self.objective),
         )
         return vb.PackedDataLoader(
             ds,

@@ -352,3 +352,32 @@ def test_bad_cost_model_files_are_named(tmp_path, text, match) -> None:
     with pytest.raises(ValueError, match=match) as err:
         CostModel.load(path)
     assert "cost.json" in str(err.value)
+
+
+def test_per_sample_costs_sum_to_the_pack_cost() -> None:
+    """The source former's per-sample costs come from the cost model's own term matrix: a
+    pack's samples' costs plus the per-pack costs are the model's cost of that pack, for any
+    coefficients (one rounding rule for per-image sizes: rounded down, as in pack features)."""
+    from lightning_vlmbalance.balance.cost import features_from_packs, sample_features
+    from lightning_vlmbalance.packing.source import sample_costs
+
+    table = synthetic_length_table(300, tile_tokens=7, seed=4)
+    images = np.where(table.images > 0, table.images + 1, 0)  # image sizes that do not divide
+    packs = pack_greedy(table.total_tokens, 4096)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        model = CostModel()
+        model.coefficients = {
+            phase: {term: float(rng.uniform(0, 2)) for term in terms}
+            for phase, terms in model.coefficients.items()
+        }
+        cost, fixed = sample_costs(model, table.total_tokens, table.image_tokens, images)
+        _, pack, image_pack = model.additive_cost_ms(
+            sample_features(table.total_tokens, table.image_tokens, images)
+        )
+        assert fixed == image_pack
+        feats = features_from_packs(packs, table.total_tokens, table.image_tokens, images)
+        expected = model.pack_cost_ms(feats)
+        has_image = packs.tokens(images) > 0
+        got = packs.tokens(cost) + pack + np.where(has_image, image_pack, 0.0)
+        np.testing.assert_allclose(got, expected, rtol=1e-12)

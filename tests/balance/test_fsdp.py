@@ -12,7 +12,11 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_vlmbalance as vb
-from tests.balance.test_strategy import _fit, _job, _max_rel_diff, _packs, _result
+from tests.balance.fits import fit as _fit
+from tests.balance.fits import fit_result as _result
+from tests.balance.fits import job as _job
+from tests.balance.fits import max_rel_diff as _max_rel_diff
+from tests.balance.fits import packs as _packs
 from tests.launch import run_module_raw, run_modules, run_nodes
 
 # 300 samples: 14 optimizer steps of 3 micro-batches per rank in the epoch; dense MLPs (tensor

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -18,7 +19,10 @@ from lightning_vlmbalance.packing.source import (
     form_balanced_batches,
     sample_costs,
 )
-from tests.balance.test_strategy import _fit, _job, _max_rel_diff, _result
+from tests.balance.fits import fit as _fit
+from tests.balance.fits import fit_result as _result
+from tests.balance.fits import job as _job
+from tests.balance.fits import max_rel_diff as _max_rel_diff
 from tests.launch import ROOT, run_modules
 
 EPOCH = ("--samples", "300", "--epochs", "1", "--max-steps", "-1", "--accumulate", "3")
@@ -69,9 +73,10 @@ def test_exact_keeps_the_unbalanced_global_batches(fits) -> None:
 
 def test_exact_global_batches_hold_the_unbalanced_samples() -> None:
     t = _table()
-    kw = {"seq_len": 8192, "num_replicas": 4, "rank": 0, "micro_steps": 2}
-    plain = vb.PackingSampler(t.total_tokens, t.image_tokens, **{**kw, "micro_steps": None}).plan()
-    exact = vb.PackingSampler(t.total_tokens, t.image_tokens, balance=True, exact=True, **kw)
+    kw = {"seq_len": 8192, "num_replicas": 4, "rank": 0}
+    plain = vb.PackingSampler(t.total_tokens, t.image_tokens, **kw).plan()
+    balance = vb.SourceBalance(micro_steps=2, exact=True)
+    exact = vb.PackingSampler(t.total_tokens, t.image_tokens, balance=balance, **kw)
     plan = exact.plan()
     assert plan.balanced_batches + plan.fallback_batches == -(-plain.packs_per_rank // 2)
     for k in range(0, plain.packs_per_rank, 2):
@@ -103,7 +108,7 @@ _DIGEST_SCRIPT = """
 import hashlib, numpy as np, lightning_vlmbalance as vb
 t = vb.synthetic_length_table(6000, text_share=0.4, seed=0)
 s = vb.PackingSampler(t.total_tokens, t.image_tokens, seq_len=8192, num_replicas=4, rank={rank},
-                      balance=True, micro_steps=2)
+                      balance=vb.SourceBalance(micro_steps=2))
 h = hashlib.sha1()
 for rank in s.plan().rank_packs:
     for pack in rank:
@@ -132,8 +137,7 @@ def test_every_process_computes_the_same_plan() -> None:
         seq_len=8192,
         num_replicas=4,
         rank=1,
-        balance=True,
-        micro_steps=2,
+        balance=vb.SourceBalance(micro_steps=2),
     )
     digests.add(_digest(here.plan()))
     assert len(digests) == 1
@@ -148,8 +152,7 @@ def test_every_sample_exactly_once_and_packs_fit(ranks, micro_steps) -> None:
         seq_len=8192,
         num_replicas=ranks,
         rank=0,
-        balance=True,
-        micro_steps=micro_steps,
+        balance=vb.SourceBalance(micro_steps=micro_steps),
     )
     plan = s.plan()
     ids = np.sort(plan.sample_ids())
@@ -201,9 +204,7 @@ def test_micro_steps_and_objective_come_from_the_trainer_when_left_to_default() 
         seq_len=8192,
         num_replicas=2,
         rank=0,
-        balance=True,
-        micro_steps=2,
-        objective="step",
+        balance=vb.SourceBalance(micro_steps=2, objective="step"),
     )
     fixed.set_micro_steps(4, "microstep")
     assert (fixed.micro_steps, fixed.objective) == (2, "step")
@@ -212,14 +213,16 @@ def test_micro_steps_and_objective_come_from_the_trainer_when_left_to_default() 
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("balance", "kwargs", "match"),
     [
-        ({"objective": "fast"}, "objective='fast'"),
-        ({"micro_steps": 0}, "micro_steps=0"),
-        ({"remainder": "drop"}, "remainder='drop'"),
+        ({"objective": "fast"}, {}, "objective='fast'"),
+        ({"micro_steps": 0}, {}, "micro_steps=0"),
+        ({"slack": -0.1}, {}, "slack=-0.1"),
+        ({"lookahead": -1}, {}, "lookahead=-1"),
+        ({}, {"remainder": "drop"}, "remainder='drop'"),
     ],
 )
-def test_bad_settings_are_named(kwargs, match) -> None:
+def test_bad_settings_are_named(balance, kwargs, match) -> None:
     t = _table(500)
     with pytest.raises(ValueError, match=match):
         vb.PackingSampler(
@@ -228,9 +231,22 @@ def test_bad_settings_are_named(kwargs, match) -> None:
             seq_len=8192,
             num_replicas=2,
             rank=0,
-            balance=True,
+            balance=vb.SourceBalance(**balance),
             **kwargs,
         )
+
+
+def test_every_former_knob_is_settable_and_fingerprinted() -> None:
+    """The balance options are one frozen config, settable in full: a knob of the former
+    changes the plan and the fingerprint (ranks that disagree on it are caught)."""
+    t = _table(3000)
+    kw = {"seq_len": 8192, "num_replicas": 4, "rank": 0}
+    base = vb.PackingSampler(t.total_tokens, t.image_tokens, balance=True, **kw)
+    small = vb.SourceBalance(small_tokens=256, lookahead=64, slack=0.0)
+    other = vb.PackingSampler(t.total_tokens, t.image_tokens, balance=small, **kw)
+    assert _digest(base.plan()) != _digest(other.plan())
+    assert base.fingerprint() != other.fingerprint()
+    assert other.fingerprint()["balance"]["small_tokens"] == 256
 
 
 def test_cost_model_from_a_json_file(tmp_path) -> None:
@@ -252,12 +268,14 @@ def test_the_next_epoch_is_planned_in_the_background() -> None:
     """After epoch 0's plan the sampler plans epoch 1 in a thread; a new epoch takes it (the
     same plan as computed in the foreground), and a change of settings discards it."""
     t = _table()
-    kwargs = dict(seq_len=8192, num_replicas=4, rank=0, balance=True, micro_steps=2)
-    s = vb.PackingSampler(t.total_tokens, t.image_tokens, **kwargs)
+    kwargs = dict(seq_len=8192, num_replicas=4, rank=0)
+    balance = vb.SourceBalance(micro_steps=2)
+    s = vb.PackingSampler(t.total_tokens, t.image_tokens, balance=balance, **kwargs)
     s.set_epoch(1)
     ahead = s.plan()
     assert s.planned_ahead == 1
-    fresh = vb.PackingSampler(t.total_tokens, t.image_tokens, plan_ahead=False, **kwargs)
+    in_line = dataclasses.replace(balance, plan_ahead=False)
+    fresh = vb.PackingSampler(t.total_tokens, t.image_tokens, balance=in_line, **kwargs)
     fresh.set_epoch(1)
     assert _digest(ahead) == _digest(fresh.plan()) and fresh.planned_ahead == 0
     s.set_micro_steps(2, "microstep")  # the objective was left to default: epoch 2 re-plans

@@ -29,7 +29,7 @@ def _fit(callbacks: list, steps: int = 4, **vlm) -> tuple[ToyVLM, L.Trainer]:
 @pytest.mark.parametrize(("mode", "grad_checkpoint"), [("all", False), ("checkpoint", True)])
 def test_trained_parameters_are_bitwise_equal(mode, grad_checkpoint) -> None:
     ref, _ = _fit([], grad_checkpoint=grad_checkpoint)
-    cb = vb.ActivationOffload(mode, min_bytes=0, test_mode=True, log_every_n_steps=1)
+    cb = vb.ActivationOffload(mode=mode, min_bytes=0, test_mode=True, log_every_n_steps=1)
     got, _ = _fit([cb], grad_checkpoint=grad_checkpoint)
     for (name, a), b in zip(ref.named_parameters(), got.parameters()):
         assert torch.equal(a, b), name
@@ -76,7 +76,7 @@ def test_an_error_in_training_leaves_no_hooks_behind() -> None:
 
 def test_checkpoint_mode_needs_blocks() -> None:
     model = torch.nn.Linear(4, 4)
-    cb = vb.ActivationOffload("checkpoint", test_mode=True)
+    cb = vb.ActivationOffload(mode="checkpoint", test_mode=True)
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
     module = L.LightningModule()
     module.net = model

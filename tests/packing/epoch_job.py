@@ -36,7 +36,13 @@ def length_table() -> vb.LengthTable:
 
 
 def sampler(
-    *, seed: int, window: int, balance: bool, num_replicas: int | None = None, **kw: Any
+    *,
+    seed: int,
+    window: int,
+    balance: bool,
+    num_replicas: int | None = None,
+    micro_steps: int | None = None,
+    **kw: Any,
 ) -> vb.PackingSampler:
     """The sampler of the job (the tests build the same one to know its plans' pack counts)."""
     table = length_table()
@@ -46,7 +52,7 @@ def sampler(
         seq_len=SEQ_LEN,
         seed=seed,
         window=window,
-        balance=balance or None,
+        balance=vb.SourceBalance(micro_steps=micro_steps) if balance else None,
         num_replicas=num_replicas,
         **kw,
     )

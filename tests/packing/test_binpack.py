@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_vlmbalance import (
+from lightning_vlmbalance.packing import (
     Packs,
     pack_best_fit_decreasing,
     pack_greedy,
     packing_efficiency,
-    synthetic_length_table,
 )
+from lightning_vlmbalance.synthetic import synthetic_length_table
 
 lengths_st = st.integers(min_value=1, max_value=64).flatmap(
     lambda cap: st.tuples(st.just(cap), st.lists(st.integers(1, cap), min_size=0, max_size=300))

@@ -1,0 +1,96 @@
+"""Which data-parallel world a rank is in, and how often its ranks meet: the one owner of both
+answers. The sampler, the loaders, the loss contract and the rebalancer ask here.
+
+A Lightning strategy is read only through its public attributes (``distributed_sampler_kwargs``,
+``world_size``, ``global_rank``, and ``gradient_average_ranks`` / ``sync_every_micro_batch``
+where a strategy of this package says so); without a strategy the answer comes from the
+initialised ``torch.distributed`` process group, or is one process. No Lightning import.
+
+Under tensor parallelism the data-parallel world is smaller than the process group: the ranks of
+one tensor-parallel group compute the same packs (``copies`` of each data-parallel rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["DataParallelWorld", "data_parallel_world", "meets_every_micro_batch"]
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelWorld:
+    """This rank's data-parallel world.
+
+    Attributes:
+        size: data-parallel ranks (``num_replicas`` of a sampler, ``R`` of the loss contract).
+        rank: this rank among them.
+        world_size: every process of the job (tensor-parallel peers included).
+        gradient_ranks: ranks the strategy averages gradients over (``size`` unless the
+            strategy says otherwise).
+    """
+
+    size: int
+    rank: int
+    world_size: int
+    gradient_ranks: int
+
+    @property
+    def copies(self) -> int:
+        """Processes that compute each data-parallel rank's packs (its tensor-parallel peers):
+        a sum over the whole process group counts every pack this many times."""
+        return max(1, self.world_size // self.size)
+
+
+def _process_group() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _sampler_kwargs(strategy: Any) -> dict[str, Any] | None:
+    try:
+        kwargs = strategy.distributed_sampler_kwargs
+    except (AttributeError, RuntimeError, AssertionError):  # no mesh yet; one device
+        return None
+    if not kwargs or "num_replicas" not in kwargs or "rank" not in kwargs:
+        return None
+    return kwargs
+
+
+def data_parallel_world(strategy: Any = None) -> DataParallelWorld:
+    """The data-parallel world of ``strategy`` (a Lightning strategy: its
+    ``distributed_sampler_kwargs``, the ``data_parallel`` mesh dimension under model
+    parallelism), else of the initialised process group, else of one process."""
+    world, rank = _process_group()
+    if strategy is None:
+        return DataParallelWorld(size=world, rank=rank, world_size=world, gradient_ranks=world)
+    world = int(getattr(strategy, "world_size", world))
+    kwargs = _sampler_kwargs(strategy)
+    if kwargs is not None:
+        size, rank = int(kwargs["num_replicas"]), int(kwargs["rank"])
+    else:
+        size, rank = world, int(getattr(strategy, "global_rank", rank))
+    try:
+        averaged = getattr(strategy, "gradient_average_ranks", None)
+    except (RuntimeError, AssertionError):  # read from a device mesh not built yet
+        averaged = None
+    return DataParallelWorld(
+        size=size,
+        rank=rank,
+        world_size=world,
+        gradient_ranks=size if averaged is None else int(averaged),
+    )
+
+
+def meets_every_micro_batch(strategy: Any) -> bool:
+    """Whether the ranks under ``strategy`` meet at every micro-batch (which decides
+    ``objective="auto"``): the rebalancing strategies say (``sync_every_micro_batch``); under
+    any other strategy with more than one rank they do (Lightning's per-micro-batch SIGTERM-flag
+    broadcast; FSDP's collectives); a single process meets nobody."""
+    said = getattr(strategy, "sync_every_micro_batch", None)
+    if said is not None:
+        return bool(said)
+    return int(getattr(strategy, "world_size", 1)) > 1
