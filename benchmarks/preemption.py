@@ -3,8 +3,10 @@
 Each trial launches ``tests.balance.preempt_job`` (the example VLM, GA ``--accumulate``, with
 ``strategy="vlmbalance"`` in a ``--modes`` mode, or plain ``"ddp"``), waits until both ranks
 train, waits a random delay (uniform in ``[0, --max-delay-s)``, seeded), sends SIGTERM to both
-ranks back to back (``--target both``, as SLURM and Kubernetes do) or to rank 0 only (``rank0``:
-Lightning's launcher forwards it to rank 1), and measures when each rank's process is gone. A
+ranks back to back (``--target both``, as SLURM and Kubernetes do), to rank 0 only (``rank0``:
+Lightning's launcher forwards it to rank 1) or to the job's whole process group (``group``: as
+SLURM at the time limit and ``kill -TERM -PGID`` do, DataLoader workers included; see
+``--num-workers``), and measures when each rank's process is gone, and its exit status. A
 rank still alive after ``--cap-s`` is hung: its stacks are dumped (``faulthandler``, see
 ``--keep``) and the job is killed. The harness is ``tests.balance.preempt_job.run_trial``, the
 same as the test's (``tests/balance/test_preemption.py``).
@@ -15,12 +17,16 @@ before the cap); ``hung``; ``sigterm_all`` (trials where every rank's ``Callback
 saw Lightning's ``SIGTERMException``); ``exceptions`` (what the ranks left ``fit`` with, counted);
 ``thread_left`` (trials with a ``vlmbalance-exchange`` thread alive at a rank's exit);
 ``no_exit_file`` (trials where a rank never reached ``atexit``: killed by a signal, e.g. by
-Lightning's child-process observer); ``rank0_returncodes``.
+Lightning's child-process observer); ``rank0_returncodes``; ``exit_status`` (trials counted by
+``"rank 0's/rank 1's"`` exit status; 143 is 128 + SIGTERM, what schedulers read as
+"terminated").
 
 Commands (from the repository root; about 13 s per trial on 2 CPU cores, plus the cap when hung)::
 
     python benchmarks/preemption.py --trials 20 --strategies vlmbalance,ddp \\
         --modes overlap,sync,off --target both,rank0 --json
+    python benchmarks/preemption.py --trials 20 --strategies vlmbalance --modes overlap \
+        --target group --num-workers 2 --json
     python benchmarks/preemption.py --trials 1 --strategies ddp --target rank0 --json  # smoke
 
 The last line of stdout is one JSON object with ``--json``: ``rows`` (one per configuration, the
@@ -80,6 +86,7 @@ def _compact(res: dict[str, Any]) -> dict[str, Any]:
     keep = ("delay_s", "batches_at_signal", "stop_s", "to_exception_s", "to_atexit_s", "hung")
     trial: dict[str, Any] = {k: res[k] for k in keep}
     trial["rank0_returncode"] = res["rank0_returncode"]
+    trial["exit_status"] = res["exit_status"]
     trial["exceptions"] = {
         r: e and {"type": e["type"], "raised_at": e["raised_at"][-1]}
         for r, e in res["exceptions"].items()
@@ -111,6 +118,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "thread_left": sum(exchange_thread_left(r) for r in results),
         "no_exit_file": sum(any(e is None for e in r["exits"].values()) for r in results),
         "rank0_returncodes": dict(collections.Counter(str(r["rank0_returncode"]) for r in results)),
+        "exit_status": dict(
+            collections.Counter("/".join(map(str, r["exit_status"].values())) for r in results)
+        ),
     }
 
 
@@ -143,6 +153,7 @@ def main() -> None:
     p.add_argument("--modes", type=_csv(MODES), default=list(MODES), help="of vlmbalance")
     p.add_argument("--target", type=_csv(TARGETS), default=list(TARGETS))
     p.add_argument("--accumulate", type=int, default=4)
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
     p.add_argument("--max-delay-s", type=float, default=2.0)
     p.add_argument("--cap-s", type=float, default=40.0, help="a rank alive this long is hung")
     p.add_argument("--seed", type=int, default=0)
@@ -168,6 +179,7 @@ def main() -> None:
                     target=target,
                     delay_s=rng.uniform(0.0, args.max_delay_s),
                     accumulate=args.accumulate,
+                    num_workers=args.num_workers,
                     cap_s=args.cap_s,
                 )
                 results.append(res)
@@ -175,7 +187,7 @@ def main() -> None:
                 exc = {r: (e or {}).get("type") for r, e in res["exceptions"].items()}
                 print(
                     f"{name}: delay {res['delay_s']:.2f} s, stop_s {res['stop_s']},"
-                    f" exceptions {exc}, rank 0 rc {res['rank0_returncode']}",
+                    f" exceptions {exc}, exit status {res['exit_status']}",
                     flush=True,
                 )
             rows.append(

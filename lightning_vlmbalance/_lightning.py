@@ -25,6 +25,14 @@ attribute disappears or changes meaning):
 ``limits`` and ``_iterator.limits``), ``_data_fetcher``     read once from ``len`` before
 (``length``), ``Trainer.val_check_batch``                   ``set_epoch``: re-read when an epoch's
                                                             plan has another pack count
+``_ChildProcessObserver._child_processes``                  the ranks rank 0's launcher watches
+                                                            (it SIGKILLs rank 0 when one exits
+                                                            non-zero): emptied at the agreed stop
+``fabric.utilities.data._auto_add_worker_init_fn``          Lightning's worker seeding, added
+                                                            after ``process_dataloader`` if the
+                                                            loader has no ``worker_init_fn``
+``ModelParallelStrategy._data_parallel_size`` /             the mesh sizes as given (``"auto"``):
+``_tensor_parallel_size``                                   ``fsdp_vlmbalance`` decides them first
 ==========================================================  =======================================
 
 Several listeners can share one loop point: :func:`loop_seam` installs one dispatcher per point
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -44,12 +53,16 @@ from typing import Any
 
 import lightning
 import torch
-from lightning.fabric.utilities.data import sized_len
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.data import _auto_add_worker_init_fn, sized_len
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.connectors.data_connector import (
+    _parse_num_batches,
+    _process_dataloader,
+)
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import RunningStage
 from packaging.version import Version
@@ -57,6 +70,7 @@ from packaging.version import Version
 __all__ = [
     "SUPPORTED_LIGHTNING",
     "LoopSeam",
+    "add_lightning_worker_init_fn",
     "check_lightning",
     "ddp_comm_hook",
     "epoch_to_train",
@@ -64,11 +78,14 @@ __all__ = [
     "leave_loop_seam",
     "loop_seam",
     "micro_batch_index",
+    "model_parallel_sizes",
     "own_sigterm_handler",
     "refresh_epoch_batches",
     "release_sigterm_handler",
     "set_ddp_comm_hook",
+    "set_model_parallel_sizes",
     "set_received_sigterm",
+    "stop_watching_launched_ranks",
 ]
 
 # keep in step with pyproject.toml's dependency range
@@ -100,6 +117,10 @@ def _problems() -> tuple[str, ...]:
         problems.append("`register_signal_handlers` no longer uses `_sigterm_notifier_fn`")
     if "_ddp_comm_hook" not in inspect.getsource(DDPStrategy._register_ddp_hooks):
         problems.append("`DDPStrategy._register_ddp_hooks` no longer reads `_ddp_comm_hook`")
+    mesh_sizes = inspect.getsource(ModelParallelStrategy.__init__)
+    for name in ("_data_parallel_size", "_tensor_parallel_size"):
+        if f"self.{name}" not in mesh_sizes:
+            problems.append(f"`ModelParallelStrategy` no longer keeps `{name}`")
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         problems.append("`torch._C._current_graph_task_id` is missing")
     setup_data = inspect.getsource(_FitLoop.setup_data)
@@ -110,6 +131,13 @@ def _problems() -> tuple[str, ...]:
         problems.append("`_FitLoop.on_advance_start` no longer sets the epoch it processes")
     if "self.length" not in inspect.getsource(_DataFetcher.__next__):
         problems.append("`_DataFetcher.__next__` no longer ends the epoch at its `length`")
+    if "self._child_processes" not in inspect.getsource(_ChildProcessObserver._run):
+        problems.append("`_ChildProcessObserver._run` no longer reads `_child_processes`")
+    process = inspect.getsource(_process_dataloader)
+    if not 0 <= process.find("process_dataloader(") < process.find("_auto_add_worker_init_fn("):
+        problems.append("Lightning no longer adds its `worker_init_fn` after `process_dataloader`")
+    if "worker_init_fn is None" not in inspect.getsource(_auto_add_worker_init_fn):
+        problems.append("`_auto_add_worker_init_fn` no longer keeps a loader's `worker_init_fn`")
     return tuple(problems)
 
 
@@ -294,6 +322,22 @@ def set_received_sigterm(trainer: Any) -> None:
     trainer._signal_connector.received_sigterm = True
 
 
+def stop_watching_launched_ranks() -> None:
+    """Stops this process's child-process observer (rank 0 under Lightning's subprocess
+    launcher) from SIGKILLing it, its checkpoint-on-exception included, when a rank it launched
+    exits with a non-zero status: after the agreed stop every rank exits 143 on purpose."""
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver):
+            thread._child_processes = []  # its next check finds nothing to watch and ends
+
+
+def add_lightning_worker_init_fn(dataloader: object, rank: int) -> None:
+    """Adds Lightning's worker seeding (``seed_everything(workers=True)``) to ``dataloader``
+    now, as Lightning does after ``process_dataloader`` when the loader has no
+    ``worker_init_fn``: a ``worker_init_fn`` wrapped around it afterwards keeps it."""
+    _auto_add_worker_init_fn(dataloader, rank)
+
+
 # -- DDP comm hook, autograd ---------------------------------------------------------------------
 
 
@@ -304,6 +348,23 @@ def ddp_comm_hook(strategy: DDPStrategy) -> Any:
 
 def set_ddp_comm_hook(strategy: DDPStrategy, hook: Any) -> None:
     strategy._ddp_comm_hook = hook
+
+
+# -- ModelParallelStrategy's mesh sizes ---------------------------------------------------------
+
+
+def model_parallel_sizes(strategy: ModelParallelStrategy) -> tuple[int | str, int | str]:
+    """``(data_parallel_size, tensor_parallel_size)`` as the strategy was given them (``"auto"``
+    until ``setup_environment`` decides)."""
+    return strategy._data_parallel_size, strategy._tensor_parallel_size
+
+
+def set_model_parallel_sizes(
+    strategy: ModelParallelStrategy, data_parallel: int, tensor_parallel: int
+) -> None:
+    """Decides the mesh sizes before ``ModelParallelStrategy.setup_environment`` reads them."""
+    strategy._data_parallel_size = int(data_parallel)
+    strategy._tensor_parallel_size = int(tensor_parallel)
 
 
 def in_backward() -> bool:

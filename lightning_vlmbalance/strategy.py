@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import sys
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -59,6 +61,8 @@ from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.loader import RebalancingLoader
+from lightning_vlmbalance.packing.sampler import PackedDataLoader
+from lightning_vlmbalance.parallel import data_parallel_world
 
 __all__ = ["FSDPVLMBalanceStrategy", "Rebalancer", "VLMBalanceStrategy"]
 
@@ -110,9 +114,8 @@ class Rebalancer:
     def data_parallel(self) -> tuple[int, int]:
         """``(size, rank)`` of this rank's data-parallel group: the world under DDP, the
         ``data_parallel`` dimension of the device mesh under model parallelism."""
-        kwargs = self.strategy.distributed_sampler_kwargs or {}
-        size = int(kwargs.get("num_replicas", self.strategy.world_size))
-        return size, int(kwargs.get("rank", self.strategy.global_rank))
+        world = data_parallel_world(self.strategy)
+        return world.size, world.rank
 
     def setup_groups(self) -> None:
         """After the world process group (and the device mesh) exist: the exchange's own groups.
@@ -186,9 +189,10 @@ class Rebalancer:
                     " step; make them equal (or return the plain loader)"
                 )
             dataloader = dataloader.loader
-        if hasattr(dataloader, "weigh_steps"):  # a PackedDataLoader
-            dataloader.trainer = trainer  # it needs the trainer for overfit_batches
-            dataloader.weigh_steps = False  # the RebalancingLoader weighs the steps (no 2nd sum)
+        if isinstance(dataloader, PackedDataLoader):
+            # it needs the trainer for each epoch's length and overfit_batches; the
+            # RebalancingLoader made below weighs the steps (it tells the loader so)
+            dataloader.trainer = trainer
         sampler = getattr(dataloader, "sampler", None)
         # balanced at the source: the sampler formed and placed every global batch already, so
         # nothing moves and no exchange thread starts (only the loss weights are set)
@@ -239,7 +243,9 @@ class Rebalancer:
     # sets a flag; the ranks agree on it with one all-reduce at the point where Lightning would
     # broadcast its flag (the first micro-batch of each optimizer step, or every micro-batch when
     # the ranks meet there anyway), and all raise Lightning's SIGTERMException there together,
-    # after the exchange pass has been stopped and joined.
+    # after the exchange pass has been stopped and joined. Every rank then exits with status 143
+    # (see teardown), and DataLoader workers ignore SIGTERM (_WorkersIgnoreSigterm): a signal to
+    # the whole process group reaches them too, and the main process decides.
 
     def _own_sigterm(self, trainer: Any) -> None:
         seam.own_sigterm_handler(trainer, self._on_sigterm)
@@ -257,6 +263,8 @@ class Rebalancer:
                 seam.set_received_sigterm(trainer)
                 if self.loader is not None:
                     self.loader.close()  # the pass in progress ends on every rank
+                # every rank exits 143 now: rank 0's launcher must not SIGKILL it when one does
+                seam.stop_watching_launched_ranks()
                 raise SIGTERMException()
 
         seam.loop_seam(trainer).replace_sync_point(self, agree_on_sigterm)
@@ -274,6 +282,13 @@ class Rebalancer:
         if trainer is not None:
             seam.release_sigterm_handler(trainer)
             seam.leave_loop_seam(trainer, self)
+            # Lightning tears the strategy down inside its `except`, then re-raises: a
+            # SIGTERMException (ours at the agreed stop, or Lightning's own in one process) is a
+            # bare SystemExit, status 0, which torchrun, a Kubernetes Job or a SLURM requeue
+            # script reads as "finished"; 143 (128 + SIGTERM) reads as "terminated"
+            stopping = sys.exc_info()[1]
+            if isinstance(stopping, SIGTERMException) and not stopping.code:
+                stopping.code = 128 + signal.SIGTERM
         if self.loader is not None:
             # Lightning tears the strategy down before the loop closes the loader's iterator:
             # stop the pass (and its collectives) before the exchange group goes away
@@ -287,6 +302,35 @@ class Rebalancer:
                     log.debug("could not destroy an exchange group: %s", err)
         self._exchange_group = self._payload_group = None
         self._group_ranks = None
+
+
+class _WorkersIgnoreSigterm:
+    """A DataLoader ``worker_init_fn``: ignores SIGTERM in the worker, then runs the loader's own
+    (the user's, Lightning's seeding).
+
+    SLURM at the time limit and ``kill`` of a process group signal every process, DataLoader
+    workers included; torch's worker handler dies of a SIGTERM that its parent did not send, and
+    the main process then raises "DataLoader worker ... killed" wherever it is, not the agreed
+    stop. Ignoring it leaves the decision to the main process, which ends its workers as at the
+    end of any pass (torch's watchdog ends them if the main process is gone).
+    """
+
+    def __init__(self, init_fn: Any) -> None:
+        self.init_fn = init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        # a no-op handler, not SIG_IGN: a program the worker execs gets the default back
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        if self.init_fn is not None:
+            self.init_fn(worker_id)
+
+    @classmethod
+    def install(cls, dataloader: Any, rank: int) -> None:
+        """Wraps ``dataloader``'s ``worker_init_fn`` (once; Lightning's seeding added first)."""
+        if not hasattr(dataloader, "worker_init_fn") or isinstance(dataloader.worker_init_fn, cls):
+            return
+        seam.add_lightning_worker_init_fn(dataloader, rank)
+        dataloader.worker_init_fn = cls(dataloader.worker_init_fn)
 
 
 def _config_from(
@@ -315,7 +359,9 @@ class _RebalancingProperties:
         self.rebalancer.setup(trainer)
 
     def process_dataloader(self, dataloader: object) -> object:
-        return self.rebalancer.wrap_loader(super().process_dataloader(dataloader))  # type: ignore[misc]
+        dataloader = self.rebalancer.wrap_loader(super().process_dataloader(dataloader))  # type: ignore[misc]
+        _WorkersIgnoreSigterm.install(dataloader, self.global_rank)  # type: ignore[attr-defined]
+        return dataloader
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)  # type: ignore[misc]
@@ -338,6 +384,12 @@ class _RebalancingProperties:
     @property
     def resolved_objective(self) -> str:
         return self.config.objective
+
+    @property
+    def sync_every_micro_batch(self) -> bool:
+        """Whether the ranks meet at every micro-batch under this strategy
+        (:func:`~lightning_vlmbalance.parallel.meets_every_micro_batch` reads it)."""
+        return self.rebalancer.sync_every_micro_batch
 
     @property
     def rebalancing_loader(self) -> RebalancingLoader | None:
@@ -513,16 +565,17 @@ class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._tensor_parallel_size == "auto":
-            self._tensor_parallel_size = 1
-        if self._data_parallel_size == "auto":
+        data_parallel, tensor_parallel = seam.model_parallel_sizes(self)
+        tensor_parallel = 1 if tensor_parallel == "auto" else int(tensor_parallel)
+        if data_parallel == "auto":
             world = self.num_nodes * self.num_processes
-            if world % int(self._tensor_parallel_size):
+            if world % tensor_parallel:
                 raise ValueError(
-                    f"`FSDPVLMBalanceStrategy(tensor_parallel_size={self._tensor_parallel_size})`"
+                    f"`FSDPVLMBalanceStrategy(tensor_parallel_size={tensor_parallel})`"
                     f" does not divide the {world} ranks"
                 )
-            self._data_parallel_size = world // int(self._tensor_parallel_size)
+            data_parallel = world // tensor_parallel
+        seam.set_model_parallel_sizes(self, int(data_parallel), tensor_parallel)
         super().setup_environment()
         self.rebalancer.setup_groups()
 

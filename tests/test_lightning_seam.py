@@ -4,10 +4,15 @@ this fails when Lightning removes one or changes what it means."""
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
+from lightning.fabric.utilities.data import _auto_add_worker_init_fn
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
 from lightning_vlmbalance import _lightning as seam
@@ -100,3 +105,50 @@ def test_fetch_listeners_and_micro_batch_index_in_a_real_fit() -> None:
     fetched = [e for e, _ in events if e != "batch"]
     assert fetched[:4] == ["before", "after", "before", "after"] and len(fetched) >= 12
     assert "_on_before_fetch" not in trainer.fit_loop.epoch_loop.__dict__
+
+
+def test_the_launcher_observer_stops_watching_at_the_agreed_stop() -> None:
+    """Lightning's child-process observer SIGKILLs the launching process (rank 0) when a rank it
+    started exits non-zero; after ``stop_watching_launched_ranks`` a rank's exit 143 leaves it
+    alive (a stand-in process plays rank 0, so the test's own process is never the target)."""
+    observer_type = seam._ChildProcessObserver
+    outcomes = []
+    for stop in (False, True):
+        rank0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        rank1 = subprocess.Popen([sys.executable, "-c", "raise SystemExit(143)"])
+        observer = observer_type(main_pid=rank0.pid, child_processes=[rank1], sleep_period=1)
+        observer.start()
+        if stop:
+            seam.stop_watching_launched_ranks()
+        observer.join(timeout=30)
+        assert not observer.is_alive()
+        try:  # its SIGKILL, if it sent one, lands a moment after the observer ends
+            outcomes.append(rank0.wait(timeout=2))
+        except subprocess.TimeoutExpired:
+            outcomes.append(None)
+        rank0.kill()
+        rank0.wait()
+    assert outcomes == [-signal.SIGKILL, None]
+
+
+def test_a_wrapped_worker_init_fn_keeps_lightnings_seeding(monkeypatch) -> None:
+    """Lightning adds its worker seeding after ``process_dataloader`` only to a loader without
+    a ``worker_init_fn``: the strategy's SIGTERM wrapper, installed there, runs it inside."""
+    from torch.utils.data import DataLoader
+
+    from lightning_vlmbalance.strategy import _WorkersIgnoreSigterm
+
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")
+    loader = DataLoader(range(4))
+    _WorkersIgnoreSigterm.install(loader, rank=3)
+    _auto_add_worker_init_fn(loader, 3)  # what Lightning does next: nothing, it has one
+    inner = loader.worker_init_fn.init_fn
+    assert (inner.func, inner.keywords) == (pl_worker_init_function, {"rank": 3})
+
+    def own(worker_id: int) -> None:
+        pass
+
+    mine = DataLoader(range(4), worker_init_fn=own)
+    _WorkersIgnoreSigterm.install(mine, rank=0)
+    _WorkersIgnoreSigterm.install(mine, rank=0)  # once
+    assert mine.worker_init_fn.init_fn is own

@@ -12,7 +12,8 @@ trains the example VLM for far longer than a trial lasts and writes, per rank ``
 ``DIR/exception{r}.json``   from ``Callback.on_exception``: the exception's type and where it
                             was raised
 ``DIR/exit{r}.json``        at interpreter exit (``atexit``): the threads still alive, what
-                            ``trainer.fit`` raised
+                            ``trainer.fit`` raised; rank 0's also the exit status of each rank
+                            its launcher started (it waits for them, at most 30 s)
 ``DIR/stacks{r}.txt``       every thread's stack, written by ``faulthandler`` on ``SIGUSR1``
 ``DIR/stdout``, ``stderr``  both ranks' output (rank 1 inherits rank 0's files)
 ==========================  ===============================================================
@@ -20,9 +21,11 @@ trains the example VLM for far longer than a trial lasts and writes, per rank ``
 The harness, :func:`run_trial`, shared by ``tests/balance/test_preemption.py`` and
 ``benchmarks/preemption.py``: it launches the job in a session of its own, waits until both
 ranks train, waits ``delay_s``, sends SIGTERM to both ranks (back to back, as SLURM and
-Kubernetes stop a job) or to rank 0 only (its launcher forwards it to rank 1), and measures when
-each rank's process is gone. A rank still alive after ``cap_s`` is hung: its stacks are dumped,
-then the whole session is killed with SIGKILL, as it is in every case when the trial ends.
+Kubernetes stop a job), to rank 0 only (the ranks agree on it), or to the job's whole process
+group (``"group"``: as SLURM at the time limit or ``kill -TERM -PGID`` do, DataLoader workers
+included), and measures when each rank's process is gone and with which exit status. A rank
+still alive after ``cap_s`` is hung: its stacks are dumped, then the whole session is killed with
+SIGKILL, as it is in every case when the trial ends.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ from tests.packing.lightning_job import SMALL_VLM, Data
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = "tests.balance.preempt_job"
 EXCHANGE_THREAD = "vlmbalance-exchange"
-TARGETS = ("both", "rank0")
+TARGETS = ("both", "rank0", "group")
+SIGTERM_EXIT = 128 + signal.SIGTERM  # the status a scheduler reads as "terminated" (143)
+CHILD_WAIT_S = 30.0
 RANKS = (0, 1)
 # what a launched job must not inherit: it is a fresh 2-process job of its own
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
@@ -105,14 +110,23 @@ class PreemptRecorder(L.Callback):
         (self.out / f"exception{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def _write_exit(path: Path, fit: dict[str, Any]) -> None:
-    """At interpreter exit (non-daemon threads already joined): which threads are still alive."""
+def _write_exit(path: Path, fit: dict[str, Any], launched: list[subprocess.Popen]) -> None:
+    """At interpreter exit (non-daemon threads already joined): which threads are still alive,
+    and (rank 0) the exit status of the ranks its launcher started, once they are gone."""
+    now = time.time()
     threads = [
         {"name": t.name, "daemon": t.daemon}
         for t in threading.enumerate()
         if t is not threading.main_thread()
     ]
-    path.write_text(json.dumps({"time": time.time(), "threads": threads, **fit}))
+    statuses = {}
+    for rank, child in enumerate(launched, start=1):
+        try:
+            statuses[rank] = child.wait(CHILD_WAIT_S)
+        except subprocess.TimeoutExpired:
+            statuses[rank] = None
+    record = {"time": now, "threads": threads, "launched_exit_status": statuses, **fit}
+    path.write_text(json.dumps(record))
 
 
 def main() -> None:
@@ -123,6 +137,8 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=4)
     p.add_argument("--samples", type=int, default=600)
     p.add_argument("--epochs", type=int, default=1000, help="never reached in a trial")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
+    p.add_argument("--devices", type=int, default=2)
     args = p.parse_args()
     out = Path(args.out)
     # rank 0 runs this before its launcher starts rank 1, which gets LOCAL_RANK in its env
@@ -130,7 +146,8 @@ def main() -> None:
     stacks = (out / f"stacks{rank}.txt").open("w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     fit: dict[str, Any] = {"raised": None}
-    atexit.register(_write_exit, out / f"exit{rank}.json", fit)
+    launched: list[subprocess.Popen] = []  # rank 0: the ranks Lightning's launcher started
+    atexit.register(_write_exit, out / f"exit{rank}.json", fit, launched)
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -143,7 +160,7 @@ def main() -> None:
         strategy = vb.VLMBalanceStrategy(mode=args.mode)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=args.devices,
         strategy=strategy,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
@@ -155,11 +172,13 @@ def main() -> None:
     )
     model = ToyVLM(**SMALL_VLM, max_positions=seq_len)
     try:
-        trainer.fit(model, datamodule=Data(table, seq_len, 0))
+        trainer.fit(model, datamodule=Data(table, seq_len, args.num_workers))
     except BaseException as err:
         fit["raised"] = type(err).__name__
         fit["exit_code"] = err.code if isinstance(err, SystemExit) else 1
         raise
+    finally:
+        launched.extend(getattr(trainer.strategy.launcher, "procs", None) or [])
 
 
 # -- the harness --------------------------------------------------------------------------------
@@ -172,6 +191,19 @@ def _gone(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return True
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes in process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -224,13 +256,17 @@ def run_trial(
     target: str = "both",
     delay_s: float = 0.0,
     accumulate: int = 4,
+    num_workers: int = 0,
     cap_s: float = 40.0,
     startup_timeout_s: float = 180.0,
 ) -> dict[str, Any]:
     """Launches the job, stops it with SIGTERM ``delay_s`` after both ranks train, and measures.
 
     Returns a JSON-able dict: ``stop_s`` (per rank, seconds from the signal until its process
-    was gone; ``None`` if still alive at ``cap_s``), ``to_exception_s`` and ``to_atexit_s``
+    was gone; ``None`` if still alive at ``cap_s``), ``exit_status`` (per rank: rank 0's as the
+    harness sees it, negative when killed by a signal; rank 1's as its launcher, rank 0, saw
+    it; ``None`` if unknown), ``left_in_group`` (pids of the job's process group, DataLoader
+    workers included, still alive once every rank was gone), ``to_exception_s`` and ``to_atexit_s``
     (seconds from the signal to ``on_exception`` and to ``atexit``), ``hung``, ``exceptions``
     and ``exits`` (the ranks' files, ``None`` where none was written), ``rank0_returncode`` (of
     the job's process: ``-9`` when killed, by the harness or by Lightning's child-process
@@ -248,10 +284,11 @@ def run_trial(
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     env["PYTHONPATH"] = str(ROOT)
     args = ["--out", str(out), "--strategy", strategy, "--mode", mode]
+    args += ["--accumulate", str(accumulate), "--num-workers", str(num_workers)]
     with (out / "stdout").open("w") as stdout, (out / "stderr").open("w") as stderr:
         # a session of its own: rank 1 is in it too, so one killpg cleans up whatever happens
         proc = subprocess.Popen(
-            [sys.executable, "-m", MODULE, *args, "--accumulate", str(accumulate)],
+            [sys.executable, "-m", MODULE, *args],
             cwd=ROOT,
             env=env,
             stdout=stdout,
@@ -263,7 +300,9 @@ def run_trial(
         time.sleep(delay_s)
         batches_at_signal = {r: _tail(out / f"step{r}", 100) for r in RANKS}
         sent, sent_wall = time.monotonic(), time.time()
-        for r in RANKS if target == "both" else (0,):
+        if target == "group":  # every process of the job, DataLoader workers included
+            os.killpg(proc.pid, signal.SIGTERM)
+        for r in RANKS if target == "both" else (0,) if target == "rank0" else ():
             os.kill(pids[r], signal.SIGTERM)
         stop_s: dict[int, float | None] = dict.fromkeys(RANKS)
         while time.monotonic() - sent < cap_s:
@@ -275,6 +314,7 @@ def run_trial(
                 break
             time.sleep(0.02)
         hung = [r for r in RANKS if stop_s[r] is None]
+        left_in_group = [] if hung else _group_members(proc.pid)
         stacks: dict[int, str] = {}
         if hung:  # where are they? faulthandler writes every thread's stack on SIGUSR1
             for r in hung:
@@ -289,6 +329,8 @@ def run_trial(
         proc.wait()
     exceptions = {r: _read_json(out / f"exception{r}.json") for r in RANKS}
     exits = {r: _read_json(out / f"exit{r}.json") for r in RANKS}
+    launched = (exits[0] or {}).get("launched_exit_status", {})
+    exit_status = {0: proc.returncode, **{r: launched.get(str(r)) for r in RANKS[1:]}}
     result: dict[str, Any] = {
         "strategy": strategy,
         "mode": mode if strategy == "vlmbalance" else None,
@@ -300,7 +342,10 @@ def run_trial(
         # where the time went: signal -> on_exception -> atexit -> process gone
         "to_exception_s": {r: _since(exceptions[r], sent_wall) for r in RANKS},
         "to_atexit_s": {r: _since(exits[r], sent_wall) for r in RANKS},
+        "num_workers": num_workers,
         "rank0_returncode": proc.returncode,
+        "exit_status": exit_status,
+        "left_in_group": left_in_group,
         "exceptions": exceptions,
         "exits": exits,
     }

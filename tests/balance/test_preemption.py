@@ -1,12 +1,16 @@
 """SIGTERM stops a 2-process ``strategy="vlmbalance"`` fit, on every rank, through Lightning.
 
-SLURM and Kubernetes preempt a job by sending SIGTERM to every rank at once (or, with Lightning's
-launcher, to rank 0, which forwards it to rank 1). Whatever the rebalancing mode and wherever the
-signal lands (mid-micro-batch, mid-exchange, between optimizer steps), every rank must:
+SLURM and Kubernetes preempt a job by sending SIGTERM to every rank at once, to one rank (rank 0
+alone must be enough), or, at SLURM's time limit and with ``kill -TERM -PGID``, to every process
+of the job, DataLoader workers included. Whatever the rebalancing mode and wherever the signal
+lands (mid-micro-batch, mid-exchange, between optimizer steps), every rank must:
 
 - leave ``trainer.fit`` through Lightning's ``SIGTERMException`` (``Callback.on_exception`` sees
   it), not through an error of a collective its peer abandoned;
 - have joined the ``vlmbalance-exchange`` thread by the time the interpreter exits;
+- exit with status 143 (128 + SIGTERM), which torchrun's agent, a Kubernetes Job and a SLURM
+  requeue script read as "terminated", not "finished" (rank 0's as the harness sees it, rank 1's
+  as its launcher, rank 0, sees it); and with DataLoader workers, leave none behind;
 - be gone within 10 s of the signal. This is a hang bound, not a performance figure: a hung
   rank otherwise stays until a collective's timeout (30 min by default), and the scheduler's
   grace period before SIGKILL is typically 30 s. Timings are measured by
@@ -24,6 +28,10 @@ from __future__ import annotations
 import functools
 import os
 import random
+import signal
+import subprocess
+import sys
+import time
 import zlib
 from typing import Any
 
@@ -31,7 +39,10 @@ import pytest
 
 from tests.balance.preempt_job import (
     EXCHANGE_THREAD,
+    MODULE,
     RANKS,
+    ROOT,
+    SIGTERM_EXIT,
     TARGETS,
     exchange_thread_left,
     run_trial,
@@ -67,20 +78,32 @@ def _problems(res: dict[str, Any]) -> list[str]:
             problems.append(f"rank {r} left fit with {kind}, expected SIGTERMException")
         if res["exits"][r] is None:
             problems.append(f"rank {r} wrote no exit file (killed?)")
+        if res["exit_status"][r] != SIGTERM_EXIT:
+            problems.append(f"rank {r} exited with status {res['exit_status'][r]}, not 143")
     if exchange_thread_left(res):
         problems.append(f"a {EXCHANGE_THREAD!r} thread was alive at exit: {res['exits']}")
+    if res["left_in_group"]:
+        problems.append(f"processes {res['left_in_group']} of the job outlived every rank")
     message = [f"  {p} ({where})" for p in problems]
     for r, stack in res.get("main_stacks", {}).items():
         message.append(f"  main thread of hung rank {r}:\n{stack}")
     return message
 
 
-# every mode and both targets once; VLMBALANCE_PREEMPT_ALL=1 runs all 6 combinations
+# every mode and every target once; VLMBALANCE_PREEMPT_ALL=1 runs all 9 combinations
 CASES = (
     [(m, t) for m in ("overlap", "sync", "off") for t in TARGETS]
     if os.environ.get("VLMBALANCE_PREEMPT_ALL")
-    else [("overlap", "both"), ("overlap", "rank0"), ("sync", "both"), ("off", "both")]
+    else [
+        ("overlap", "both"),
+        ("overlap", "rank0"),
+        ("overlap", "group"),
+        ("sync", "both"),
+        ("off", "both"),
+    ]
 )
+# a signal to the process group reaches the DataLoader workers too: the job runs with some
+GROUP_WORKERS = 2
 
 
 def _seed(mode: str, target: str) -> int:
@@ -102,6 +125,7 @@ def trials(request, tmp_path_factory) -> dict:
                 mode=mode,
                 target=target,
                 delay_s=delay_s,
+                num_workers=GROUP_WORKERS if target == "group" else 0,
                 cap_s=CAP_S,
             )
     return run_calls(calls)
@@ -111,10 +135,32 @@ def trials(request, tmp_path_factory) -> dict:
     ("mode", "target"), [pytest.param(m, t, marks=pytest.mark.jobs(f"{m}-{t}")) for m, t in CASES]
 )
 def test_sigterm_stops_every_rank(trials, mode: str, target: str) -> None:
-    """SIGTERM (to both ranks, or to rank 0 only) ends every rank via SIGTERMException in 10 s."""
+    """SIGTERM (to both ranks, to rank 0 only, or to the job's process group with DataLoader
+    workers) ends every rank via SIGTERMException in 10 s, with exit status 143."""
     failures = []
     for i in range(len(signal_delays(_seed(mode, target), TRIALS))):
         res = result_of(trials, (mode, target, i))
         if problems := _problems(res):
             failures.append(f"trial {i}:\n" + "\n".join(problems))
     assert not failures, "\n".join(failures)
+
+
+def test_sigterm_exit_status_one_process(tmp_path) -> None:
+    """A 1-process ``strategy="vlmbalance"`` fit stopped by SIGTERM exits with status 143 too
+    (there Lightning's own flag stops it after the batch)."""
+    out = tmp_path / "one"
+    out.mkdir()
+    job = [sys.executable, "-m", MODULE, "--out", str(out), "--devices", "1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with (out / "stderr").open("w") as stderr:
+        proc = subprocess.Popen(job, cwd=ROOT, env=env, stderr=stderr)
+    try:
+        while not (out / "step0").exists() and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    tail = (out / "stderr").read_text()[-3000:]
+    assert status == SIGTERM_EXIT, f"exit status {status}, not 143:\n{tail}"

@@ -2,43 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_vlmbalance as vb
+from tests.balance.fits import fit_result as _result
+from tests.balance.fits import job as _job
+from tests.balance.fits import max_rel_diff as _max_rel_diff
+from tests.balance.fits import packs as _packs
 from tests.jobs import check, result, run_jobs, selected
-from tests.launch import run_module
-
-
-def _job(out: Path, *args: str) -> tuple[str, ...]:
-    out.mkdir(parents=True, exist_ok=True)
-    return ("tests.balance.strategy_job", "--out", str(out), *args)
-
-
-def _result(out: Path) -> dict:
-    result = {"params": torch.load(out / "params.pt")}
-    for r in (0, 1):
-        if (out / f"rank{r}.json").exists():
-            result[r] = {
-                **json.loads((out / f"rank{r}.json").read_text()),
-                **json.loads((out / f"stats{r}.json").read_text()),
-            }
-    return result
-
-
-def _fit(out: Path, *args: str) -> dict:
-    run_module(*_job(out, *args), timeout=600)
-    return _result(out)
-
-
-def _max_rel_diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-300)) for k in a)
-
 
 EPOCH = ("--epochs", "1", "--max-steps", "-1")  # 84 packs per rank: 21 steps of 4
 
@@ -118,10 +92,6 @@ def fits(jobs) -> dict:
         "root": jobs["root"],
         **{name: _fit_of(jobs, name) for name in FITS},
     }
-
-
-def _packs(res: dict) -> list[int]:
-    return sorted(p for r in (0, 1) for _, p, _ in res[r]["seen"])
 
 
 @pytest.mark.jobs(*FITS)
@@ -269,6 +239,7 @@ def _one_rank_fit(rank: int, world: int, case: str) -> dict:
     from lightning.fabric.utilities.seed import pl_worker_init_function
     from torch.utils.data import DataLoader
 
+    from lightning_vlmbalance.strategy import _WorkersIgnoreSigterm
     from tests.cpu_fit import cpu_trainer, packed_loader
     from tests.packing.lightning_job import SMALL_VLM, RecordingVLM
 
@@ -294,6 +265,8 @@ def _one_rank_fit(rank: int, world: int, case: str) -> dict:
             loader = self.trainer.strategy.rebalancing_loader.loader
             inner = loader._inner if isinstance(loader, vb.PackedDataLoader) else loader
             fn = inner.worker_init_fn
+            if isinstance(fn, _WorkersIgnoreSigterm):  # the strategy's wrapper keeps it
+                fn = fn.init_fn
             key = "packed" if isinstance(loader, vb.PackedDataLoader) else "plain"
             seen[key] = isinstance(fn, partial) and fn.func is pl_worker_init_function
             return super().training_step(batch, batch_idx)

@@ -23,6 +23,7 @@ ROW_KEYS = {
     "thread_left",
     "no_exit_file",
     "rank0_returncodes",
+    "exit_status",
 }
 
 
@@ -49,6 +50,8 @@ def test_preemption_benchmark_one_trial(smoke_runs) -> None:
     assert row["stopped_10s"] + row["hung"] <= 1
     (trial,) = report["trials"]
     assert trial["config"] == "vlmbalance-overlap-both"
-    assert set(trial["stop_s"]) == set(trial["exceptions"]) == {"0", "1"}
+    assert (
+        set(trial["stop_s"]) == set(trial["exceptions"]) == set(trial["exit_status"]) == {"0", "1"}
+    )
     assert 0.0 <= trial["delay_s"] < 2.0
     assert (tmp_path / "vlmbalance-overlap-both-0" / "pid1.json").exists()
