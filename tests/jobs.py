@@ -71,6 +71,7 @@ def run_jobs(
     parallel: int = 2,
     timeout: float = 600,
     timeouts: Mapping[str, float] | None = None,
+    envs: Mapping[str, Mapping[str, str]] | None = None,
 ) -> dict[str, JobResult]:
     """Runs ``python -m module *args`` for every ``name: (module, *args)`` of ``jobs`` from the
     repository root, ``parallel`` at a time, in the given order as far as ``after`` (``name:
@@ -79,7 +80,7 @@ def run_jobs(
     A job past its timeout (``timeouts[name]``, else ``timeout`` seconds) is killed with the
     processes it started: return code -9, ``timed_out``, a note at the end of its stderr. A job
     whose prerequisite failed is not run: its return code is ``None`` and its stderr names the
-    failed job.
+    failed job. ``envs[name]``: environment variables of that job on top of this process's.
     """
     after = {name: tuple(needs) for name, needs in (after or {}).items() if name in jobs}
     unknown = {n for needs in after.values() for n in needs} - set(jobs)
@@ -112,7 +113,7 @@ def run_jobs(
                 proc = subprocess.Popen(
                     [sys.executable, "-m", *args],
                     cwd=ROOT,
-                    env=env,
+                    env={**env, **(envs or {}).get(name, {})},
                     stdout=out,
                     stderr=err,
                     text=True,

@@ -1,64 +1,42 @@
 """Runs a multi-process Lightning job as a subprocess of the test.
 
 Lightning's ``"ddp"`` launcher re-executes ``sys.argv`` for the other ranks; inside pytest that
-would be pytest itself, so each test launches its job module with ``python -m`` instead.
+would be pytest itself, so each test launches its job module with ``python -m`` instead. These
+are the one-job forms of :func:`tests.jobs.run_jobs`, the one runner: each job runs in a session
+of its own, and one past its timeout is killed with every rank it started.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import socket
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.jobs import ROOT, JobResult, check, run_jobs
 
-
-def run_module_raw(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Runs ``python -m module *args`` from the repository root and returns the process."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+__all__ = ["ROOT", "run_module", "run_module_raw", "run_modules", "run_nodes"]
 
 
-def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_module_raw(module: str, *args: str, timeout: int = 300) -> JobResult:
+    """Runs ``python -m module *args`` from the repository root and returns the finished job
+    (``returncode``, ``stdout``, ``stderr``; ``timed_out`` if it was killed at ``timeout``)."""
+    return run_jobs({"job": (module, *args)}, timeout=timeout)["job"]
+
+
+def run_module(module: str, *args: str, timeout: int = 300) -> JobResult:
     """Runs ``python -m module *args`` from the repository root; a non-zero exit fails the test."""
-    proc = run_module_raw(module, *args, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+    return check(run_module_raw(module, *args, timeout=timeout))
 
 
 def run_modules(jobs: list[tuple[str, ...]], *, parallel: int = 2, timeout: int = 600) -> None:
     """Runs several ``python -m module *args`` jobs, ``parallel`` at a time (independent fits of
     a module fixture: their start-up, mostly imports, overlaps); any non-zero exit fails."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    pending, running, failed = list(jobs), [], []
-    while pending or running:
-        while pending and len(running) < parallel:
-            module, *args = pending.pop(0)
-            proc = subprocess.Popen(
-                [sys.executable, "-m", module, *args],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            running.append((proc, (module, *args)))
-        proc, job = running.pop(0)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-        if proc.returncode != 0:
-            failed.append(f"{' '.join(job)}: exit {proc.returncode}\n{out[-4000:]}")
+    results = run_jobs(
+        {str(i): job for i, job in enumerate(jobs)}, parallel=parallel, timeout=timeout
+    )
+    failed = [
+        f"{' '.join(jobs[int(i)])}: exit {r.returncode}\n{(r.stdout + r.stderr)[-4000:]}"
+        for i, r in results.items()
+        if r.returncode != 0
+    ]
     assert not failed, "\n\n".join(failed)
 
 
@@ -66,38 +44,18 @@ def run_nodes(module: str, *args: str, num_nodes: int = 2, timeout: int = 600) -
     """Runs ``python -m module *args`` once per node, all on this machine, as Lightning's
     multi-node launch expects (``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): each node's
     process starts its own local ranks. Any non-zero exit fails the test."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = []
-    for node in range(num_nodes):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "NODE_RANK": str(node),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", module, *args],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    failed = []
-    for node, proc in enumerate(procs):
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            out, _ = proc.communicate()
-        if proc.returncode != 0:
-            failed.append(f"node {node}: exit {proc.returncode}\n{out[-4000:]}")
+    nodes = {f"node {n}": (module, *args) for n in range(num_nodes)}
+    envs = {
+        f"node {n}": {"NODE_RANK": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        for n in range(num_nodes)
+    }
+    results = run_jobs(nodes, parallel=num_nodes, timeout=timeout, envs=envs)
+    failed = [
+        f"{name}: exit {r.returncode}\n{(r.stdout + r.stderr)[-4000:]}"
+        for name, r in results.items()
+        if r.returncode != 0
+    ]
     assert not failed, "\n\n".join(failed)
