@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_vlmbalance.callbacks._options import LOG_EVERY_N_STEPS, checked_log_every_n_steps
 from lightning_vlmbalance.offload import OFFLOAD_MODES, ActivationOffloader
 
 __all__ = ["ActivationOffload"]
@@ -78,20 +79,16 @@ class ActivationOffload(Callback):
         prefetch: int = 2,
         blocks: Sequence[nn.Module] | None = None,
         test_mode: bool = False,
-        log_every_n_steps: int = 50,
+        log_every_n_steps: int = LOG_EVERY_N_STEPS,
     ) -> None:
         if mode not in OFFLOAD_MODES:
             raise ValueError(f"`ActivationOffload(mode={mode!r})`: expected one of {OFFLOAD_MODES}")
-        if log_every_n_steps < 1:
-            raise ValueError(
-                f"`ActivationOffload(log_every_n_steps={log_every_n_steps})` must be >= 1"
-            )
         self.mode = mode
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self.blocks = list(blocks) if blocks is not None else None
         self.test_mode = test_mode
-        self.log_every_n_steps = log_every_n_steps
+        self.log_every_n_steps = checked_log_every_n_steps("ActivationOffload", log_every_n_steps)
         self.offloader: ActivationOffloader | None = None
         self._handles: list[Any] = []
         self._last_logged: dict[str, int] = {}

@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_vlmbalance.callbacks._options import LOG_EVERY_N_STEPS, checked_log_every_n_steps
 from lightning_vlmbalance.moe import (
     PatchedMoE,
     patch_moe_modules,
@@ -71,18 +72,14 @@ class CompiledMoERouting(Callback):
         fullgraph: bool = True,
         dynamic: bool | None = None,
         mode: str | None = None,
-        log_every_n_steps: int = 50,
+        log_every_n_steps: int = LOG_EVERY_N_STEPS,
     ) -> None:
-        if log_every_n_steps < 1:
-            raise ValueError(
-                f"`CompiledMoERouting(log_every_n_steps={log_every_n_steps})` must be >= 1"
-            )
         self.compile_kwargs: dict[str, Any] | None = (
             {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic, "mode": mode}
             if compile
             else None
         )
-        self.log_every_n_steps = log_every_n_steps
+        self.log_every_n_steps = checked_log_every_n_steps("CompiledMoERouting", log_every_n_steps)
         self.patched: list[PatchedMoE] = []
         self._logged_step = -1
 

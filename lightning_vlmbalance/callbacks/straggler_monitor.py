@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import features_from_meta
+from lightning_vlmbalance.callbacks._options import LOG_EVERY_N_STEPS, checked_log_every_n_steps
 from lightning_vlmbalance.timing import (
     LIGHTNING_SYNC,
     StepTimer,
@@ -104,16 +105,13 @@ class StragglerMonitor(Callback):
 
     def __init__(
         self,
-        log_every_n_steps: int = 10,
+        *,
+        log_every_n_steps: int = LOG_EVERY_N_STEPS,
         vision_module: nn.Module | str | bool | None = None,
         llm_module: nn.Module | str | bool | None = None,
         jsonl_dir: str | Path | None = None,
     ) -> None:
-        if log_every_n_steps < 1:
-            raise ValueError(
-                f"`StragglerMonitor(log_every_n_steps={log_every_n_steps!r})` must be >= 1"
-            )
-        self.log_every_n_steps = log_every_n_steps
+        self.log_every_n_steps = checked_log_every_n_steps("StragglerMonitor", log_every_n_steps)
         self.vision_module = vision_module
         self.llm_module = llm_module
         self.jsonl_dir = jsonl_dir
