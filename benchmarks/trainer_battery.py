@@ -49,8 +49,10 @@ import torch
 from torch.utils.data import Dataset
 
 import lightning_vlmbalance as vb
-from examples.vlm import ToyVLM
-from tests.packing.lightning_job import SMALL_VLM  # the example VLM at the tests' size
+from examples.vlm import (
+    SMALL_VLM,  # the example VLM at the tests' size
+    ToyVLM,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 128

@@ -25,6 +25,17 @@ from torch.utils.checkpoint import checkpoint
 from lightning_vlmbalance import packed_attention, packed_cross_entropy
 from lightning_vlmbalance.attention import mark_pack_dynamic
 
+# the example VLM at the size the multi-process tests and the Trainer battery train (8-dim
+# patches, 64-token vocabulary): ``ToyVLM(**SMALL_VLM, max_positions=...)``
+SMALL_VLM = {
+    "vocab_size": 64,
+    "patch_dim": 8,
+    "dim": 16,
+    "heads": 2,
+    "llm_layers": 1,
+    "moe_experts": 2,
+}
+
 
 @dataclass(kw_only=True, slots=True)
 class ToyVLMConfig:

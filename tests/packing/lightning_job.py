@@ -19,17 +19,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_vlmbalance as vb
-from examples.vlm import ToyVLM
+from examples.vlm import SMALL_VLM, ToyVLM
 
-# the example VLM at the size the multi-process tests train (with 8-dim patches, 64 tokens)
-SMALL_VLM = {
-    "vocab_size": 64,
-    "patch_dim": 8,
-    "dim": 16,
-    "heads": 2,
-    "llm_layers": 1,
-    "moe_experts": 2,
-}
+__all__ = ["SMALL_VLM", "Data", "RecordingVLM", "step_checkpoints"]
 
 
 def step_checkpoints(out: str, every: int, filename: str = "{epoch}-{step}") -> ModelCheckpoint:
