@@ -26,7 +26,8 @@ def _result(smoke_runs: dict, name: str) -> tuple[int, dict, str]:
     return out.returncode, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
-# memory growth is measured by the long soak (RESULTS.md), not decided in this short one
+# memory growth is measured by the long soak (benchmarks/results/rebalancing.md), not decided
+# in this short one
 @pytest.mark.smoke_run(
     "soak_short", argv=_soak(*SMOKE, "--max-rss-growth", "0.5"), timeout=300, seconds=10
 )
