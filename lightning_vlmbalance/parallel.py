@@ -28,6 +28,7 @@ class DataParallelWorld:
         size: data-parallel ranks (``num_replicas`` of a sampler, ``R`` of the loss contract).
         rank: this rank among them.
         world_size: every process of the job (tensor-parallel peers included).
+        global_rank: this process among them.
         gradient_ranks: ranks the strategy averages gradients over (``size`` unless the
             strategy says otherwise).
     """
@@ -35,6 +36,7 @@ class DataParallelWorld:
     size: int
     rank: int
     world_size: int
+    global_rank: int
     gradient_ranks: int
 
     @property
@@ -64,15 +66,14 @@ def data_parallel_world(strategy: Any = None) -> DataParallelWorld:
     """The data-parallel world of ``strategy`` (a Lightning strategy: its
     ``distributed_sampler_kwargs``, the ``data_parallel`` mesh dimension under model
     parallelism), else of the initialised process group, else of one process."""
-    world, rank = _process_group()
+    world, me = _process_group()
     if strategy is None:
-        return DataParallelWorld(size=world, rank=rank, world_size=world, gradient_ranks=world)
-    world = int(getattr(strategy, "world_size", world))
+        return DataParallelWorld(
+            size=world, rank=me, world_size=world, global_rank=me, gradient_ranks=world
+        )
+    world, me = int(strategy.world_size), int(strategy.global_rank)
     kwargs = _sampler_kwargs(strategy)
-    if kwargs is not None:
-        size, rank = int(kwargs["num_replicas"]), int(kwargs["rank"])
-    else:
-        size, rank = world, int(getattr(strategy, "global_rank", rank))
+    size, rank = (int(kwargs["num_replicas"]), int(kwargs["rank"])) if kwargs else (world, me)
     try:
         averaged = getattr(strategy, "gradient_average_ranks", None)
     except (RuntimeError, AssertionError):  # read from a device mesh not built yet
@@ -81,6 +82,7 @@ def data_parallel_world(strategy: Any = None) -> DataParallelWorld:
         size=size,
         rank=rank,
         world_size=world,
+        global_rank=me,
         gradient_ranks=size if averaged is None else int(averaged),
     )
 

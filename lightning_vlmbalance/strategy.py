@@ -55,6 +55,7 @@ from lightning.pytorch.strategies import (
 )
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_vlmbalance import _lightning as seam
@@ -111,12 +112,6 @@ class Rebalancer:
         self._logged_batches = 0
         self._wrapped_for: tuple[int, int] | None = None  # (trainer, epoch) of the last wrap
 
-    def data_parallel(self) -> tuple[int, int]:
-        """``(size, rank)`` of this rank's data-parallel group: the world under DDP, the
-        ``data_parallel`` dimension of the device mesh under model parallelism."""
-        world = data_parallel_world(self.strategy)
-        return world.size, world.rank
-
     def setup_groups(self) -> None:
         """After the world process group (and the device mesh) exist: the exchange's own groups.
 
@@ -125,11 +120,11 @@ class Rebalancer:
         data-parallel peers that share a tensor-parallel rank, one group per tensor-parallel rank
         (every rank creates every group, in the same order, as ``new_group`` requires).
         """
-        world = self.strategy.world_size
+        parallel = data_parallel_world(self.strategy)
+        world, size = parallel.world_size, parallel.size
         if world <= 1:
             return
         timeout = timedelta(seconds=self.config.exchange_timeout_s)
-        size, _ = self.data_parallel()
         if size == world:
             peer_groups = [list(range(world))]
         else:
@@ -137,7 +132,7 @@ class Rebalancer:
             peer_groups = mesh.reshape(size, -1).T.tolist()
         device = self.strategy.root_device
         gpu = self.gpu_payloads and device.type == "cuda" and dist.get_backend() == "nccl"
-        me = self.strategy.global_rank
+        me = parallel.global_rank
         for ranks in peer_groups:
             whole = len(ranks) == world
             # a process group of its own: the exchange never interleaves with the gradient sync
@@ -203,11 +198,12 @@ class Rebalancer:
         if self.loader is not None:  # a reload: stop the old loader's pass
             self.loader.close()
         self._logged_batches = 0
+        parallel = data_parallel_world(self.strategy)
         self.loader = RebalancingLoader(
             dataloader,  # type: ignore[arg-type]
             micro_steps=trainer.accumulate_grad_batches,
-            world_size=self.data_parallel()[0],
-            rank=self.data_parallel()[1],
+            world_size=parallel.size,
+            rank=parallel.rank,
             group=self._exchange_group,
             group_ranks=self._group_ranks,
             cost_model=self.cost_model,
@@ -271,8 +267,9 @@ class Rebalancer:
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """The SIGTERM handler: no collective and no exception here, only a flag."""
-        log.info("rank %d received SIGTERM (%s)", self.strategy.global_rank, signum)
-        if self.strategy.world_size <= 1:  # alone: Lightning's own flag (it raises after the batch)
+        parallel = data_parallel_world(self.strategy)
+        log.info("rank %d received SIGTERM (%s)", parallel.global_rank, signum)
+        if parallel.world_size <= 1:  # alone: Lightning's own flag (it raises after the batch)
             seam.set_received_sigterm(self._trainer)
         else:  # agreed on by every rank at the next synchronisation point
             self._sigterm_pending = True
@@ -326,11 +323,16 @@ class _WorkersIgnoreSigterm:
 
     @classmethod
     def install(cls, dataloader: Any, rank: int) -> None:
-        """Wraps ``dataloader``'s ``worker_init_fn`` (once; Lightning's seeding added first)."""
-        if not hasattr(dataloader, "worker_init_fn") or isinstance(dataloader.worker_init_fn, cls):
+        """Wraps the ``worker_init_fn`` of the loader whose workers run (a torch ``DataLoader``
+        or a ``PackedDataLoader``, alone or inside the strategy's ``RebalancingLoader``), once,
+        Lightning's seeding added first; any other iterable has no workers to reach."""
+        inner = dataloader.loader if isinstance(dataloader, RebalancingLoader) else dataloader
+        if not isinstance(inner, DataLoader | PackedDataLoader):
             return
-        seam.add_lightning_worker_init_fn(dataloader, rank)
-        dataloader.worker_init_fn = cls(dataloader.worker_init_fn)
+        if isinstance(inner.worker_init_fn, cls):
+            return
+        seam.add_lightning_worker_init_fn(inner, rank)
+        inner.worker_init_fn = cls(inner.worker_init_fn)
 
 
 def _config_from(
@@ -495,7 +497,7 @@ class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
     With tensor parallelism the ranks of one tensor-parallel group compute the same pack: plans
     and exchanges run over the data-parallel dimension, each group of data-parallel peers with
     the same tensor-parallel rank exchanging among themselves, and the loss weight divides by
-    the data-parallel size (``gradient_average_ranks``).
+    the data-parallel size (FSDP averages gradients over that dimension).
 
     Args:
         mode, objective, tolerance, exchange_timeout_s, config, cost_model, gpu_payloads: as for
@@ -547,11 +549,6 @@ class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
         self.rebalancer = Rebalancer(
             self, config, cost_model, sync_every_micro_batch=True, gpu_payloads=gpu_payloads
         )
-
-    @property
-    def gradient_average_ranks(self) -> int:
-        """FSDP averages gradients over the data-parallel dimension (the loss contract's ``R``)."""
-        return int(self.distributed_sampler_kwargs["num_replicas"])
 
     @classmethod
     @override

@@ -22,7 +22,7 @@ def _strategy(strategy, devices: int = 2):
 
 def test_one_process_without_a_strategy() -> None:
     assert data_parallel_world() == DataParallelWorld(
-        size=1, rank=0, world_size=1, gradient_ranks=1
+        size=1, rank=0, world_size=1, global_rank=0, gradient_ranks=1
     )
 
 
@@ -35,7 +35,7 @@ def test_ddp_world_is_every_rank() -> None:
 def test_tensor_parallel_copies() -> None:
     """Data-parallel size 2 in a world of 4: each data-parallel rank's packs are computed by 2
     processes, so a sum over the world counts them twice."""
-    world = DataParallelWorld(size=2, rank=1, world_size=4, gradient_ranks=2)
+    world = DataParallelWorld(size=2, rank=1, world_size=4, global_rank=3, gradient_ranks=2)
     assert world.copies == 2
 
 

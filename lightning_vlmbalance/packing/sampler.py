@@ -381,7 +381,7 @@ def _check_ranks_agree(sampler: PackingSampler, epoch: int) -> None:
     unequal step counts: one small all-gather per pass turns that into an error on every rank."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    world = torch.distributed.get_world_size()
+    world = data_parallel_world().world_size
     if world == 1:
         return
     # every rank of the world, tensor-parallel peers too: they plan the same packs
