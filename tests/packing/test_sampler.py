@@ -325,3 +325,19 @@ def test_plain_model_parallel_resolves_auto_to_microstep() -> None:
     ds = vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
     len(vb.PackedDataLoader(ds, sampler, trainer=trainer))
     assert (sampler.objective, sampler.micro_steps) == ("microstep", 3)
+
+
+def test_a_loader_without_its_trainer_warns_when_an_epoch_has_another_length() -> None:
+    """Without ``trainer=`` the loader cannot tell Lightning each epoch's length: when an epoch's
+    plan differs from what ``len`` said, it says so (once) instead of losing packs silently."""
+    from tests.packing.epoch_job import length_table, sampler
+
+    s = sampler(seed=7, window=8, balance=False, num_replicas=1, rank=0)
+    counts = [s.packs_per_rank(e) for e in range(3)]
+    assert counts[1] != counts[0], counts  # the premise: epoch 1 packs differently
+    ds = vb.SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8)
+    loader = vb.PackedDataLoader(ds, s, vb.PackCollator(128, image_feature_shape=(8,)))
+    assert len(loader) == counts[0]
+    s.set_epoch(1)
+    with pytest.warns(UserWarning, match=rf"epoch 1 has {counts[1]} packs .* said {counts[0]}"):
+        next(iter(loader))
