@@ -195,8 +195,9 @@ class RebalancingLoader:
             (0 if it has none).
 
     The loader is resumable (``state_dict`` / ``load_state_dict``, which Lightning checkpoints)
-    exactly when the inner loader is; otherwise Lightning warns on a mid-epoch resume, as it
-    would for the inner loader alone.
+    exactly when the inner loader is a :class:`ResumablePackSource` (it must say where its pass
+    started and what state resumes at a position, since this loader reads ahead); otherwise
+    Lightning warns on a mid-epoch resume.
 
     Raises:
         ValueError: for a bad setting (naming it).
@@ -267,7 +268,7 @@ class RebalancingLoader:
 
     def __new__(cls, loader: Iterable[Any], **kwargs: Any) -> RebalancingLoader:
         # resumable exactly when the inner loader is: Lightning decides by the methods' presence
-        if cls is RebalancingLoader and _resumable(loader):
+        if cls is RebalancingLoader and isinstance(loader, ResumablePackSource):
             cls = _ResumableRebalancingLoader
         return super().__new__(cls)
 
@@ -458,10 +459,6 @@ class RebalancingLoader:
             ]
         weigh_step(order, global_loss_tokens=global_tokens, ranks=W, micro_steps=self.micro_steps)
         return order, stats
-
-
-def _resumable(loader: object) -> bool:
-    return isinstance(loader, ResumablePackSource)
 
 
 class _ResumableRebalancingLoader(RebalancingLoader):
