@@ -143,7 +143,12 @@ def test_the_main_job_compares_the_modes_on_the_same_samples(main_job) -> None:
         assert s["gain_vs_off"] == pytest.approx(gain, abs=2e-3)
         assert s["gain_spread"] == [min(s["gain_by_round"]), max(s["gain_by_round"])]
     assert modes["off"]["gain_vs_off"] == 0.0 and modes["off"]["moved_packs"] == 0
-    assert modes["overlap"]["moved_packs"] > 0 and modes["overlap"]["bytes_exchanged"] > 0
+    # packs moved in each run (the loader's count over every global batch, not TensorBoard's
+    # samples of it: a logged step may be one whose batch needed no move)
+    overlap = modes["overlap"]
+    assert overlap["moved_packs"] == overlap["by_round"][0]["moved_packs"]
+    assert sum(r["moved_packs"] for r in overlap["by_round"]) > 0
+    assert (overlap["bytes_exchanged"] > 0) == (overlap["moved_packs"] > 0)
     assert modes["source"]["source_balanced"] and modes["source"]["moved_packs"] == 0
     assert modes["source"]["bytes_exchanged"] == 0
     # "best" is chosen on the headline figure
@@ -171,8 +176,9 @@ def test_every_mode_logs_to_tensorboard(main_job) -> None:
             tags = set(acc.Tags()["scalars"])
             assert {"train/loss", "packing/efficiency"} <= tags
             assert {f"straggler/step_ms/rank_{k}" for k in (0, 1)} <= tags
-            if mode == "overlap":
-                assert sum(e.value for e in acc.Scalars("balance/moved_packs")) > 0
+            if mode == "overlap":  # logged every 5 steps for the global batch just planned
+                moved = [e.value for e in acc.Scalars("balance/moved_packs")]
+                assert moved and all(v >= 0 and v == int(v) for v in moved)
             if mode == "source":
                 assert "balance/source_balanced" in tags
     acc = _scalars(summary["modes"]["off"]["log_dir"])
