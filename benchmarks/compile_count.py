@@ -30,13 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 from lightning_vlmbalance.attention import mark_pack_dynamic
+from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 
 
 def packs(n: int, seed: int, seq_len: int = 512, patch_dim: int = 32) -> list[dict[str, Any]]:
-    table = vb.synthetic_length_table(
+    table = synthetic_length_table(
         4000, text_share=0.2, tile_tokens=16, max_text_tokens=seq_len // 2, seed=seed
     )
-    dataset = vb.SyntheticVLMDataset(table, vocab_size=256, patch_dim=patch_dim, seed=seed)
+    dataset = SyntheticVLMDataset(table, vocab_size=256, patch_dim=patch_dim, seed=seed)
     sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=seq_len, seed=seed)
     collate = vb.PackCollator(seq_len, image_feature_shape=(patch_dim,))
     return list(itertools.islice(vb.PackedDataLoader(dataset, sampler, collate), n))

@@ -254,6 +254,7 @@ def part_monitor(smoke: bool) -> dict:
     import lightning_vlmbalance as vb
     from examples.train import VLMDataModule
     from examples.vlm import ToyVLM
+    from lightning_vlmbalance.synthetic import synthetic_length_table
     from lightning_vlmbalance.timing import DEVICE_PHASES, StepTimer
 
     cuda = torch.cuda.is_available() and not smoke
@@ -266,7 +267,7 @@ def part_monitor(smoke: bool) -> dict:
         model_kw = dict(dim=32, heads=2, vision_layers=1, llm_layers=1, vocab_size=64)
         tile_tokens = 8
     L.seed_everything(0, verbose=False)
-    table = vb.synthetic_length_table(
+    table = synthetic_length_table(
         samples, text_share=0.2, tile_tokens=tile_tokens, max_text_tokens=seq_len // 2, seed=0
     )
     data = VLMDataModule(table, seq_len=seq_len, patch_dim=32, vocab_size=model_kw["vocab_size"])

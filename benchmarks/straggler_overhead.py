@@ -40,13 +40,13 @@ def _fit(args: argparse.Namespace, callbacks: list, max_steps: int, num_samples:
     import lightning as L
     import torch
 
-    import lightning_vlmbalance as vb
     from examples.train import VLMDataModule
     from examples.vlm import ToyVLM
+    from lightning_vlmbalance.synthetic import synthetic_length_table
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
-    table = vb.synthetic_length_table(
+    table = synthetic_length_table(
         num_samples, text_share=0.2, tile_tokens=16, max_text_tokens=args.seq_len // 2, seed=0
     )
     data = VLMDataModule(table, seq_len=args.seq_len, patch_dim=32, vocab_size=256)

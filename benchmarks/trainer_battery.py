@@ -53,6 +53,7 @@ from examples.vlm import (
     SMALL_VLM,  # the example VLM at the tests' size
     ToyVLM,
 )
+from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 128
@@ -511,10 +512,10 @@ class BatteryData(L.LightningDataModule):
         self.with_trainer, self.bad = with_trainer, bad
 
     def _loader(self, samples: int, seed: int, train: bool) -> vb.PackedDataLoader:
-        table = vb.synthetic_length_table(
+        table = synthetic_length_table(
             samples, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=seed
         )
-        dataset: Dataset = vb.SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
+        dataset: Dataset = SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
         total: Any = table.total_tokens
         if train and self.bad == "nan_length":  # e.g. a length column read with a gap
             total = table.total_tokens.astype(np.float64)

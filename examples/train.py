@@ -49,6 +49,12 @@ import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 from lightning_vlmbalance.balance import features_from_packs
 from lightning_vlmbalance.packing import Packs
+from lightning_vlmbalance.synthetic import (
+    LengthTable,
+    SyntheticVLMDataset,
+    read_length_csv,
+    synthetic_length_table,
+)
 from lightning_vlmbalance.timing import WAIT_PHASES
 
 MODES = ("off", "overlap", "sync", "source")
@@ -122,7 +128,7 @@ class VLMDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        table: vb.LengthTable,
+        table: LengthTable,
         *,
         seq_len: int,
         patch_dim: int,
@@ -136,7 +142,7 @@ class VLMDataModule(L.LightningDataModule):
         self.table, self.seq_len, self.seed, self.num_workers = table, seq_len, seed, num_workers
         self.balance = balance
         self.read_ahead = read_ahead  # packs read ahead in a thread (ReadAheadLoader)
-        self.dataset = vb.SyntheticVLMDataset(
+        self.dataset = SyntheticVLMDataset(
             table, vocab_size=vocab_size, patch_dim=patch_dim, seed=seed
         )
         self.patch_dim = patch_dim
@@ -318,16 +324,16 @@ def plan_waste(plan: Any, sampler: vb.PackingSampler, model: vb.CostModel, G: in
     return float(np.mean(wastes)) if wastes else 0.0
 
 
-def build_table(args: argparse.Namespace) -> vb.LengthTable:
+def build_table(args: argparse.Namespace) -> LengthTable:
     if not args.data:
-        return vb.synthetic_length_table(
+        return synthetic_length_table(
             args.num_samples,
             text_share=args.text_share,
             tile_tokens=args.tile_tokens,
             max_text_tokens=args.seq_len // 2,
             seed=args.seed,
         )
-    table = vb.read_length_csv(*args.data)
+    table = read_length_csv(*args.data)
     scale = args.length_scale
     image = np.ceil(table.image_tokens * scale).astype(np.int64)
     text = np.maximum(np.ceil((table.total_tokens - table.image_tokens) * scale), 1).astype(
@@ -335,7 +341,7 @@ def build_table(args: argparse.Namespace) -> vb.LengthTable:
     )
     n = min(args.num_samples, len(table))
     pick = np.random.default_rng(args.seed).permutation(len(table))[:n]
-    return vb.LengthTable(
+    return LengthTable(
         total_tokens=(image + text)[pick], image_tokens=image[pick], images=table.images[pick]
     )
 
@@ -358,7 +364,7 @@ def run_dir(root: str) -> Path:
 
 def fit_mode(
     args: argparse.Namespace,
-    table: vb.LengthTable,
+    table: LengthTable,
     mode: str,
     folder: Path,
     cost_model: vb.CostModel | None,

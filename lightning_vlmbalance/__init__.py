@@ -24,8 +24,9 @@ Public API (everything else is private):
   :class:`CostModel`, :func:`plan_rebalance`, :class:`RebalancePlan` (see
   ``docs/rebalancing.md``). The component a strategy owns, ``Rebalancer``, is in
   ``lightning_vlmbalance.strategy``; the data-parallel world in ``lightning_vlmbalance.parallel``.
-- Length tables and synthetic data for examples and tests: :class:`LengthTable`,
-  :func:`read_length_csv`, :func:`synthetic_length_table`, :class:`SyntheticVLMDataset`.
+
+Length tables (``read_length_csv`` for the shared CSVs, ``synthetic_length_table``) and the
+synthetic dataset the examples and tests train on are in ``lightning_vlmbalance.synthetic``.
 """
 
 from lightning_vlmbalance.attention import attention_backend, flash_attn_available, packed_attention
@@ -54,12 +55,6 @@ from lightning_vlmbalance.packing import (
     packing_efficiency,
 )
 from lightning_vlmbalance.strategy import FSDPVLMBalanceStrategy, VLMBalanceStrategy
-from lightning_vlmbalance.synthetic import (
-    LengthTable,
-    SyntheticVLMDataset,
-    read_length_csv,
-    synthetic_length_table,
-)
 
 __version__ = "0.1.0"
 
@@ -72,7 +67,6 @@ __all__ = [
     "EpochPlan",
     "ExchangeError",
     "FSDPVLMBalanceStrategy",
-    "LengthTable",
     "PackCollator",
     "PackedDataLoader",
     "PackedLoss",
@@ -84,7 +78,6 @@ __all__ = [
     "RebalancingLoader",
     "SourceBalance",
     "StragglerMonitor",
-    "SyntheticVLMDataset",
     "VLMBalanceStrategy",
     "attention_backend",
     "build_epoch_plan",
@@ -95,6 +88,4 @@ __all__ = [
     "packed_cross_entropy",
     "packing_efficiency",
     "plan_rebalance",
-    "read_length_csv",
-    "synthetic_length_table",
 ]

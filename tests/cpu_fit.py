@@ -6,11 +6,12 @@ import lightning as L
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
+from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 
 
 def packed_loader(trainer: L.Trainer | None = None) -> vb.PackedDataLoader:
-    table = vb.synthetic_length_table(48, tile_tokens=8, max_text_tokens=64, seed=2)
-    ds = vb.SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
+    table = synthetic_length_table(48, tile_tokens=8, max_text_tokens=64, seed=2)
+    ds = SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
     sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128, seed=0)
     return vb.PackedDataLoader(
         ds, sampler, vb.PackCollator(128, image_feature_shape=(8,)), trainer=trainer

@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
+from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 
 SEQ_LEN, PATCH_DIM, VOCAB = 512, 32, 256
 PACKS = 110
@@ -30,10 +31,10 @@ def dynamo(one_thread):
 
 def _packs(n: int) -> list[dict]:
     """The first ``n`` packs of rank 0, built as ``examples/train.py`` builds them."""
-    table = vb.synthetic_length_table(
+    table = synthetic_length_table(
         4000, text_share=0.2, tile_tokens=16, max_text_tokens=SEQ_LEN // 2, seed=SEED
     )
-    dataset = vb.SyntheticVLMDataset(table, vocab_size=VOCAB, patch_dim=PATCH_DIM, seed=SEED)
+    dataset = SyntheticVLMDataset(table, vocab_size=VOCAB, patch_dim=PATCH_DIM, seed=SEED)
     sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=SEQ_LEN, seed=SEED)
     collate = vb.PackCollator(SEQ_LEN, image_feature_shape=(PATCH_DIM,))
     return list(itertools.islice(vb.PackedDataLoader(dataset, sampler, collate), n))

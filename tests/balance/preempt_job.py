@@ -51,6 +51,7 @@ from typing_extensions import override
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
+from lightning_vlmbalance.synthetic import synthetic_length_table
 from tests.packing.lightning_job import SMALL_VLM, Data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,7 +153,7 @@ def main() -> None:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     seq_len = 128
-    table = vb.synthetic_length_table(
+    table = synthetic_length_table(
         args.samples, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
     )
     strategy: Any = "ddp"

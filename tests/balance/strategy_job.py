@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 import lightning_vlmbalance as vb
 from lightning_vlmbalance.balance.loader import RebalancingLoader
+from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 from tests.packing.lightning_job import SMALL_VLM, Data, RecordingVLM, step_checkpoints
 
 
@@ -52,7 +53,7 @@ class SourceBalancedData(Data):
     objective = "auto"
 
     def train_dataloader(self) -> Any:
-        ds = vb.SyntheticVLMDataset(self.table, vocab_size=64, patch_dim=8)
+        ds = SyntheticVLMDataset(self.table, vocab_size=64, patch_dim=8)
         sampler = vb.PackingSampler(
             self.table.total_tokens,
             self.table.image_tokens,
@@ -318,7 +319,7 @@ def main() -> None:
     _count_sync_skips()
     L.seed_everything(0, verbose=False)
     seq_len = 128
-    table = vb.synthetic_length_table(
+    table = synthetic_length_table(
         args.samples, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
     )
     strategy = _strategy(args)

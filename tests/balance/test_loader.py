@@ -8,13 +8,14 @@ import torch
 import lightning_vlmbalance as vb
 from lightning_vlmbalance.balance.loader import RebalancingLoader
 from lightning_vlmbalance.balance.loader import _batch_features as batch_features
+from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 from tests.multiproc import run_ranks
 
 
 def _loader_job(rank: int, world: int, mode: str, micro_steps: int) -> dict:
-    table = vb.synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
+    table = synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
     sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128)
-    ds = vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    ds = SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
     inner = vb.PackedDataLoader(ds, sampler)
     group = torch.distributed.new_group(backend="gloo")
     loader = RebalancingLoader(
@@ -110,9 +111,9 @@ def test_bad_settings_are_named() -> None:
 
 def _overlapped_loader(rank: int, world: int, *, micro_steps: int, timeout_s: float):
     """The overlapped RebalancingLoader over 400 synthetic samples that the jobs below share."""
-    table = vb.synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
+    table = synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
     sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128)
-    inner = vb.PackedDataLoader(vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4), sampler)
+    inner = vb.PackedDataLoader(SyntheticVLMDataset(table, vocab_size=32, patch_dim=4), sampler)
     return RebalancingLoader(
         inner,
         micro_steps=micro_steps,

@@ -18,6 +18,7 @@ import torch
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 from lightning_vlmbalance.packing.collate import PackItem
+from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 from tests.launch import run_modules
 from tests.packing.lightning_job import SMALL_VLM
 
@@ -53,11 +54,11 @@ def runs(tmp_path_factory) -> dict:
     return {name: _result(root / name) for name in jobs}
 
 
-def _dataset() -> vb.SyntheticVLMDataset:
-    table = vb.synthetic_length_table(
+def _dataset() -> SyntheticVLMDataset:
+    table = synthetic_length_table(
         SAMPLES, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
     )
-    return vb.SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
+    return SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
 
 
 def _reference_grads(params: dict, packs: list[list[int]], ds) -> tuple[dict, int]:

@@ -19,6 +19,7 @@ from lightning_vlmbalance.packing.source import (
     form_balanced_batches,
     sample_costs,
 )
+from lightning_vlmbalance.synthetic import LengthTable, synthetic_length_table
 from tests.balance.fits import fit as _fit
 from tests.balance.fits import fit_result as _result
 from tests.balance.fits import job as _job
@@ -92,8 +93,8 @@ def test_resume_mid_epoch_lands_on_the_same_packs(fits, tmp_path) -> None:
         assert resumed[r]["seen"] == fits["vlmbalance"][r]["seen"][4 * 3 :]
 
 
-def _table(n: int = 6000) -> vb.LengthTable:
-    return vb.synthetic_length_table(n, text_share=0.4, seed=0)
+def _table(n: int = 6000) -> LengthTable:
+    return synthetic_length_table(n, text_share=0.4, seed=0)
 
 
 def _digest(plan) -> str:
@@ -106,7 +107,7 @@ def _digest(plan) -> str:
 
 _DIGEST_SCRIPT = """
 import hashlib, numpy as np, lightning_vlmbalance as vb
-t = vb.synthetic_length_table(6000, text_share=0.4, seed=0)
+t = synthetic_length_table(6000, text_share=0.4, seed=0)
 s = vb.PackingSampler(t.total_tokens, t.image_tokens, seq_len=8192, num_replicas=4, rank={rank},
                       balance=vb.SourceBalance(micro_steps=2))
 h = hashlib.sha1()
@@ -296,7 +297,7 @@ def test_the_compiled_former_makes_the_packs_of_the_plain_python_one(
     packs of the plain-Python algorithm (lists, ``heapq``, ``bisect``), batch by batch."""
     from tests.balance.source_reference import form_balanced_batches as reference
 
-    t = vb.synthetic_length_table(4000, text_share=text_share, seed=3)
+    t = synthetic_length_table(4000, text_share=text_share, seed=3)
     costs, fixed = sample_costs(vb.CostModel(), t.total_tokens, t.image_tokens, t.images)
     order = np.random.default_rng(1).permutation(len(t.total_tokens))
     kwargs = dict(

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_vlmbalance import synthetic_length_table
+from lightning_vlmbalance.synthetic import synthetic_length_table
 from tests.jobs import result_of
 
 

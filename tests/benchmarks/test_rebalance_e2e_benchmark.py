@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_vlmbalance import synthetic_length_table
+from lightning_vlmbalance.synthetic import synthetic_length_table
 from tests.jobs import result_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_vlmbalance as vb
+from lightning_vlmbalance.synthetic import synthetic_length_table
 from tests.packing.lightning_job import SMALL_VLM, Data, RecordingVLM
 
 # threads that are not the package's: torch.compile's tqdm monitor, and Lightning's DDP launcher
@@ -138,9 +139,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     out = Path(args.out)
     threads_before = set(threading.enumerate())
-    table = vb.synthetic_length_table(
-        200, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
-    )
+    table = synthetic_length_table(200, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1)
     callbacks = [make(out) for make in CALLBACKS.values()]
     observer = Observer(callbacks)
     checkpoint = ModelCheckpoint(

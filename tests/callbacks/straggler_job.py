@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
+from lightning_vlmbalance.synthetic import LengthTable, synthetic_length_table
 from tests.packing.lightning_job import Data
 
 
@@ -73,9 +74,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
-    table = vb.synthetic_length_table(
-        600, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
-    )
+    table = synthetic_length_table(600, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1)
     _fit(args, table, resume=args.resume)
     if args.then_resume_from:
         ckpt = Path(args.out) / "ckpt" / f"step={args.then_resume_from}.ckpt"
@@ -84,7 +83,7 @@ def main() -> None:
 
 def _fit(
     args: argparse.Namespace,
-    table: vb.LengthTable,
+    table: LengthTable,
     resume: str | Path | None,
     summary: str = "summary.json",
     version: int = 0,

@@ -12,6 +12,7 @@ import torch
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
+from lightning_vlmbalance.synthetic import synthetic_length_table
 from tests.packing.lightning_job import Data
 
 
@@ -24,7 +25,7 @@ class FailingVLM(ToyVLM):
 
 def test_cleanup_after_an_exception(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    table = vb.synthetic_length_table(200, tile_tokens=8, max_text_tokens=64, seed=1)
+    table = synthetic_length_table(200, tile_tokens=8, max_text_tokens=64, seed=1)
     monitor = vb.StragglerMonitor(log_every_n_steps=100, jsonl_dir=tmp_path)
     trainer = L.Trainer(
         accelerator="cpu",

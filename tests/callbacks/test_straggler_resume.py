@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 from lightning_vlmbalance.balance import read_monitor_jsonl
+from lightning_vlmbalance.synthetic import LengthTable, synthetic_length_table
 from tests.launch import run_module
 from tests.packing.lightning_job import SMALL_VLM, Data
 from tests.timing import fake_clock
@@ -127,8 +128,8 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def _table() -> vb.LengthTable:
-    return vb.synthetic_length_table(200, tile_tokens=8, max_text_tokens=64, seed=1)
+def _table() -> LengthTable:
+    return synthetic_length_table(200, tile_tokens=8, max_text_tokens=64, seed=1)
 
 
 def _fit_with_checkpoints(

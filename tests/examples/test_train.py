@@ -16,6 +16,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 
 import lightning_vlmbalance as vb
 from examples.train import ReadAheadLoader, compare, schedule
+from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 from tests.launch import run_module
 
 SMALL = ("--num-samples", "400", "--seq-len", "256", "--vision-dim", "64", "--vision-layers", "1")
@@ -46,8 +47,8 @@ def _run(seconds: float, step_s: list[float], tokens: int = 1000, **extra) -> di
 def test_the_read_ahead_loader_yields_the_packs_of_the_plain_loader_read_in_a_thread() -> None:
     """Every mode reads ahead the same way: the same packs, in the same order, as the plain
     loader, each but the first read by the read-ahead thread; a pass stopped early joins it."""
-    table = vb.synthetic_length_table(120, tile_tokens=16, max_text_tokens=128, seed=0)
-    dataset = vb.SyntheticVLMDataset(table, vocab_size=64, patch_dim=8, seed=0)
+    table = synthetic_length_table(120, tile_tokens=16, max_text_tokens=128, seed=0)
+    dataset = SyntheticVLMDataset(table, vocab_size=64, patch_dim=8, seed=0)
 
     def loader(cls, **kwargs):
         sampler = vb.PackingSampler(

@@ -7,6 +7,7 @@ import torch
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
+from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 
 
 @pytest.mark.parametrize("experts", [0, 2])
@@ -14,8 +15,8 @@ from examples.vlm import ToyVLM
 def test_forward_and_backward_in_bf16(experts, precision) -> None:
     """bf16-mixed used to fail twice: the projector's bf16 output put into float32 embeddings,
     and the experts' bf16 outputs added into a float32 sum."""
-    table = vb.synthetic_length_table(6, tile_tokens=8, max_text_tokens=64, seed=0)
-    ds = vb.SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
+    table = synthetic_length_table(6, tile_tokens=8, max_text_tokens=64, seed=0)
+    ds = SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
     batch = vb.PackCollator(256)([ds[i] for i in range(6)])
     assert batch["image_positions"].numel() > 0
     model = ToyVLM(vocab_size=64, patch_dim=8, dim=16, heads=2, moe_experts=experts)

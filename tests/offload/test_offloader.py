@@ -12,11 +12,12 @@ from torch.utils.checkpoint import checkpoint
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 from lightning_vlmbalance.offload import ActivationOffloader, offload_activations
+from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 
 
 def _packed_batches(n: int, seq_len: int = 128, dtype=torch.float32) -> list[dict]:
-    table = vb.synthetic_length_table(64, tile_tokens=8, max_text_tokens=64, seed=1)
-    ds = vb.SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
+    table = synthetic_length_table(64, tile_tokens=8, max_text_tokens=64, seed=1)
+    ds = SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
     sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=seq_len, seed=0)
     loader = vb.PackedDataLoader(ds, sampler, vb.PackCollator(seq_len, image_feature_shape=(8,)))
     out = []

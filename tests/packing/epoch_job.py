@@ -23,14 +23,15 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning_vlmbalance as vb
+from lightning_vlmbalance.synthetic import LengthTable, SyntheticVLMDataset, synthetic_length_table
 from tests.balance.strategy_job import Job
 from tests.packing.lightning_job import SMALL_VLM, step_checkpoints
 
 SAMPLES, SEQ_LEN = 300, 128
 
 
-def length_table() -> vb.LengthTable:
-    return vb.synthetic_length_table(
+def length_table() -> LengthTable:
+    return synthetic_length_table(
         SAMPLES, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
     )
 
@@ -70,12 +71,12 @@ class EpochData(L.LightningDataModule):
             world, rank = self.trainer.world_size, self.trainer.global_rank
             plan = sampler(seed=a.seed, window=a.window, balance=False, num_replicas=world)
             return DataLoader(
-                vb.SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8),
+                SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8),
                 batch_sampler=[ids.tolist() for ids in plan.plan().rank_packs[rank]],
                 collate_fn=vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
             )
         loader = vb.PackedDataLoader(
-            vb.SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8),
+            SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8),
             sampler(seed=a.seed, window=a.window, balance=a.balance),
             vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
             trainer=self.trainer,

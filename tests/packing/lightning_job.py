@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_vlmbalance as vb
 from examples.vlm import SMALL_VLM, ToyVLM
+from lightning_vlmbalance.synthetic import LengthTable, SyntheticVLMDataset, synthetic_length_table
 
 __all__ = ["SMALL_VLM", "Data", "RecordingVLM", "step_checkpoints"]
 
@@ -48,12 +49,12 @@ class RecordingVLM(ToyVLM):
 
 
 class Data(L.LightningDataModule):
-    def __init__(self, table: vb.LengthTable, seq_len: int, num_workers: int) -> None:
+    def __init__(self, table: LengthTable, seq_len: int, num_workers: int) -> None:
         super().__init__()
         self.table, self.seq_len, self.num_workers = table, seq_len, num_workers
 
     def train_dataloader(self) -> vb.PackedDataLoader:
-        ds = vb.SyntheticVLMDataset(self.table, vocab_size=64, patch_dim=8)
+        ds = SyntheticVLMDataset(self.table, vocab_size=64, patch_dim=8)
         sampler = vb.PackingSampler(
             self.table.total_tokens,
             self.table.image_tokens,
@@ -86,7 +87,7 @@ def main() -> None:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     seq_len = 128
-    table = vb.synthetic_length_table(
+    table = synthetic_length_table(
         args.samples, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
     )
     if args.text_only_second_half:  # rank 1's shard has no image at all
@@ -95,7 +96,7 @@ def main() -> None:
         total = table.total_tokens - np.where(np.arange(args.samples) >= half, image, 0)
         image[half:] = 0
         images = np.where(image > 0, table.images, 0)
-        table = vb.LengthTable(total_tokens=total, image_tokens=image, images=images)
+        table = LengthTable(total_tokens=total, image_tokens=image, images=images)
     callbacks = []
     if args.checkpoint_every:
         callbacks.append(step_checkpoints(args.out, args.checkpoint_every))

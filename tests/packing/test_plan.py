@@ -9,7 +9,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lightning_vlmbalance import PackingConfig, build_epoch_plan, synthetic_length_table
+from lightning_vlmbalance import PackingConfig, build_epoch_plan
+from lightning_vlmbalance.synthetic import synthetic_length_table
 
 
 def _table(n: int = 2000, seed: int = 0, text_share: float = 0.2):

@@ -9,11 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lightning_vlmbalance as vb
+from lightning_vlmbalance.synthetic import LengthTable, SyntheticVLMDataset, synthetic_length_table
 
 
 def _setup(n: int = 400, rank: int = 0, world_size: int = 2, **kw):
-    table = vb.synthetic_length_table(n, tile_tokens=8, max_text_tokens=64, seed=5)
-    ds = vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    table = synthetic_length_table(n, tile_tokens=8, max_text_tokens=64, seed=5)
+    ds = SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
     sampler = vb.PackingSampler(
         table.total_tokens,
         table.image_tokens,
@@ -116,10 +117,10 @@ def test_rank_out_of_range() -> None:
 def test_padding_pack_is_empty_and_carries_no_loss() -> None:
     """A rank one pack short gets a padding pack: no sample, no loss token."""
     total = np.array([60, 60, 60])  # 3 packs for 2 ranks
-    ds_table = vb.LengthTable(
+    ds_table = LengthTable(
         total_tokens=total, image_tokens=np.zeros(3, np.int64), images=np.zeros(3, np.int64)
     )
-    ds = vb.SyntheticVLMDataset(ds_table, vocab_size=16)
+    ds = SyntheticVLMDataset(ds_table, vocab_size=16)
     batches = []
     for rank in (0, 1):
         sampler = vb.PackingSampler(total, seq_len=100, num_replicas=2, rank=rank, shuffle=False)
@@ -180,15 +181,15 @@ def test_default_collator_learns_the_image_feature_shape() -> None:
 def _two_ranks(rank: int, port: int, queue, table_shift: int) -> None:
     import torch.distributed as dist
 
-    table = vb.synthetic_length_table(300, tile_tokens=8, max_text_tokens=64, seed=5)
+    table = synthetic_length_table(300, tile_tokens=8, max_text_tokens=64, seed=5)
     # built before the process group exists, as in a DataModule's __init__
     sampler = vb.PackingSampler(
         table.total_tokens + (table_shift if rank == 1 else 0), table.image_tokens, seq_len=256
     )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        ds = vb.SyntheticVLMDataset(
-            vb.LengthTable(
+        ds = SyntheticVLMDataset(
+            LengthTable(
                 total_tokens=sampler.total_tokens,
                 image_tokens=table.image_tokens,
                 images=table.images,
@@ -246,12 +247,12 @@ def test_ranks_with_different_length_tables_fail_instead_of_hanging() -> None:
 def _tensor_parallel_pair(rank: int, world: int, seed_shift: int) -> int:
     """A 2-rank world of one tensor-parallel pair (data-parallel size 1): both ranks plan the
     same packs, and a rank whose settings differ is caught before a step is taken."""
-    table = vb.synthetic_length_table(300, tile_tokens=8, max_text_tokens=64, seed=5)
+    table = synthetic_length_table(300, tile_tokens=8, max_text_tokens=64, seed=5)
     sampler = vb.PackingSampler(
         table.total_tokens, table.image_tokens, seq_len=256, seed=rank * seed_shift
     )
     sampler.set_data_parallel(1, 0)  # what the strategy's sampler kwargs say under TP 2
-    ds = vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    ds = SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
     return len([b for b in vb.PackedDataLoader(ds, sampler)])
 
 
@@ -270,7 +271,7 @@ def test_tensor_parallel_ranks_with_different_settings_fail_instead_of_hanging()
 def test_explicit_world_ranks_under_tensor_parallelism_are_refused() -> None:
     """``num_replicas=world, rank=global_rank`` (the DDP idiom) cannot stand where the
     data-parallel group is smaller: the message names the data-parallel size."""
-    table = vb.synthetic_length_table(100, tile_tokens=8, max_text_tokens=64, seed=5)
+    table = synthetic_length_table(100, tile_tokens=8, max_text_tokens=64, seed=5)
     sampler = vb.PackingSampler(
         table.total_tokens, table.image_tokens, seq_len=256, num_replicas=4, rank=3
     )
@@ -284,7 +285,7 @@ def test_explicit_world_ranks_under_tensor_parallelism_are_refused() -> None:
 def test_the_images_column_is_checked_and_fingerprinted() -> None:
     """A wrong-length or inconsistent ``images`` column is named; a sampler with other image
     counts (a cost feature of the balanced plan) does not accept another's saved state."""
-    table = vb.synthetic_length_table(100, tile_tokens=8, max_text_tokens=64, seed=5)
+    table = synthetic_length_table(100, tile_tokens=8, max_text_tokens=64, seed=5)
     total, image = table.total_tokens, table.image_tokens
     with pytest.raises(ValueError, match=r"'images' has shape \(99,\)"):
         vb.PackingSampler(total, image, seq_len=256, images=table.images[:-1])
@@ -299,7 +300,7 @@ def test_the_images_column_is_checked_and_fingerprinted() -> None:
     with pytest.raises(ValueError, match=rf"sample {text} has 1 images and 0 image tokens"):
         vb.PackingSampler(total, image, seq_len=256, images=stray)
     more = np.where(table.images > 0, table.images + 1, 0)
-    ds = vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    ds = SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
     saved = vb.PackedDataLoader(
         ds, vb.PackingSampler(total, image, seq_len=256, images=table.images, balance=True)
     ).state_dict()
@@ -317,12 +318,12 @@ def test_plain_model_parallel_resolves_auto_to_microstep() -> None:
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    table = vb.synthetic_length_table(100, tile_tokens=8, max_text_tokens=64, seed=5)
+    table = synthetic_length_table(100, tile_tokens=8, max_text_tokens=64, seed=5)
     sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=256, balance=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), accumulate_grad_batches=3
     )
-    ds = vb.SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    ds = SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
     len(vb.PackedDataLoader(ds, sampler, trainer=trainer))
     assert (sampler.objective, sampler.micro_steps) == ("microstep", 3)
 
@@ -335,7 +336,7 @@ def test_a_loader_without_its_trainer_warns_when_an_epoch_has_another_length() -
     s = sampler(seed=7, window=8, balance=False, num_replicas=1, rank=0)
     counts = [s.packs_per_rank(e) for e in range(3)]
     assert counts[1] != counts[0], counts  # the premise: epoch 1 packs differently
-    ds = vb.SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8)
+    ds = SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8)
     loader = vb.PackedDataLoader(ds, s, vb.PackCollator(128, image_feature_shape=(8,)))
     assert len(loader) == counts[0]
     s.set_epoch(1)

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from lightning_vlmbalance import CostModel, synthetic_length_table
+from lightning_vlmbalance import CostModel
 from lightning_vlmbalance.sim import closed_form_waste, simulate
 from lightning_vlmbalance.sim.cli import main
-from lightning_vlmbalance.synthetic import LengthTable
+from lightning_vlmbalance.synthetic import LengthTable, synthetic_length_table
 
 
 def _mix(n: int = 6000, seed: int = 0) -> LengthTable:
