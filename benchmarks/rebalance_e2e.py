@@ -56,14 +56,14 @@ from typing import IO, Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.multiproc
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness.ranks
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/packing.py
 
 from packing import BenchmarkError, load
 
+from harness.ranks import run_ranks
 from lightning_vlmbalance.sim.cli import comma_list
 from lightning_vlmbalance.timing import COMPUTE_PHASES
-from tests.multiproc import run_ranks
 
 MODES = ("off", "sync", "overlap", "source")
 EXCHANGE_TIMEOUT_S = 120.0
@@ -344,7 +344,7 @@ def _timings_file(args: argparse.Namespace, mode: str, rank: int) -> IO[str] | N
 
 
 def _rank_main(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One emulated rank of one mode (run by ``tests.multiproc.run_ranks``)."""
+    """One emulated rank of one mode (run by ``harness.ranks.run_ranks``)."""
     import torch.distributed as dist
 
     from lightning_vlmbalance.balance import CostModel, RebalancingLoader

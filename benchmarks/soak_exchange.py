@@ -69,7 +69,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.multiproc import run_ranks  # the spawn harness the tests use
+from harness.ranks import run_ranks  # the spawn harness the tests use
 
 EXCHANGE_THREAD = "vlmbalance-exchange"
 IMAGE_CHUNK = 64  # image tokens per image-size unit

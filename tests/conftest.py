@@ -10,7 +10,7 @@ import torch._dynamo
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "jobs(name, ...): the subprocess jobs of its module that a test checks (tests/jobs.py)",
+        "jobs(name, ...): the subprocess jobs of its module that a test checks (harness/jobs.py)",
     )
 
 

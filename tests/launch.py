@@ -2,7 +2,7 @@
 
 Lightning's ``"ddp"`` launcher re-executes ``sys.argv`` for the other ranks; inside pytest that
 would be pytest itself, so each test launches its job module with ``python -m`` instead. These
-are the one-job forms of :func:`tests.jobs.run_jobs`, the one runner: each job runs in a session
+are the one-job forms of :func:`harness.jobs.run_jobs`, the one runner: each job runs in a session
 of its own, and one past its timeout is killed with every rank it started.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-from tests.jobs import ROOT, JobResult, check, run_jobs
+from harness.jobs import ROOT, JobResult, check, run_jobs
 
 __all__ = ["ROOT", "run_module", "run_module_raw", "run_modules", "run_nodes"]
 

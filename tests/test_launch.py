@@ -1,4 +1,4 @@
-"""The one runner of multi-process test jobs (``tests/jobs.py``, with ``tests/launch.py`` its
+"""The one runner of multi-process test jobs (``harness/jobs.py``, with ``tests/launch.py`` its
 one-job forms): a job past its timeout is killed with every process it started."""
 
 from __future__ import annotations

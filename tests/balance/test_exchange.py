@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.ranks import run_ranks
 from lightning_vlmbalance.balance.exchange import (
     ExchangeError,
     decode_pack,
@@ -17,7 +18,6 @@ from lightning_vlmbalance.balance.exchange import (
     exchange_packs,
     wait_pack_ready,
 )
-from tests.multiproc import run_ranks
 
 
 def _pack(seed: int) -> dict:

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import lightning_vlmbalance as vb
+from harness.ranks import run_ranks
 from lightning_vlmbalance.balance.loader import RebalancingLoader
 from lightning_vlmbalance.balance.loader import _batch_features as batch_features
 from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
-from tests.multiproc import run_ranks
 
 
 def _loader_job(rank: int, world: int, mode: str, micro_steps: int) -> dict:

@@ -37,6 +37,7 @@ from typing import Any
 
 import pytest
 
+from harness.jobs import result_of, run_calls, selected
 from tests.balance.preempt_job import (
     EXCHANGE_THREAD,
     MODULE,
@@ -47,7 +48,6 @@ from tests.balance.preempt_job import (
     exchange_thread_left,
     run_trial,
 )
-from tests.jobs import result_of, run_calls, selected
 
 STOP_BOUND_S = 10.0
 CAP_S = STOP_BOUND_S + 2.0  # then the trial's stacks are dumped and its processes killed

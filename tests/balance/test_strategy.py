@@ -8,11 +8,11 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_vlmbalance as vb
+from harness.jobs import check, result, run_jobs, selected
 from tests.balance.fits import fit_result as _result
 from tests.balance.fits import job as _job
 from tests.balance.fits import max_rel_diff as _max_rel_diff
 from tests.balance.fits import packs as _packs
-from tests.jobs import check, result, run_jobs, selected
 
 EPOCH = ("--epochs", "1", "--max-steps", "-1")  # 84 packs per rank: 21 steps of 4
 
@@ -287,7 +287,7 @@ def _one_rank_fit(rank: int, world: int, case: str) -> dict:
 
 def test_several_training_loaders_are_refused() -> None:
     """Each loader would get its own exchange thread on the one process group: refused."""
-    from tests.multiproc import run_ranks
+    from harness.ranks import run_ranks
 
     status, message = run_ranks(_one_rank_fit, 1, "two_loaders", start_method="forkserver")[0]
     assert status == "error" and "rebalances one training dataloader" in message
@@ -297,7 +297,7 @@ def test_seed_everything_seeds_the_workers_the_strategy_runs() -> None:
     """``seed_everything(workers=True)``: Lightning's ``worker_init_fn`` reaches the loader
     whose workers run (a plain DataLoader inside the strategy's wrapper, and the
     PackedDataLoader's own DataLoader), not an attribute of a wrapper."""
-    from tests.multiproc import run_ranks
+    from harness.ranks import run_ranks
 
     status, seen = run_ranks(_one_rank_fit, 1, "seeded_workers", start_method="forkserver")[0]
     assert status == "ok", seen

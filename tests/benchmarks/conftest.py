@@ -10,7 +10,7 @@ folder, two at a time, and each test then checks only its own::
     def test_planner(smoke_runs) -> None:
         run = result_of(smoke_runs, "planner")  # .out: its folder, .proc: the CompletedProcess
 
-(``tests.jobs.result_of`` raises again what the run raised: a timeout, or a failed ``check``.)
+(``harness.jobs.result_of`` raises again what the run raised: a timeout, or a failed ``check``.)
 
 Keyword arguments of the mark: ``argv`` (required: given the run's own empty folder, which it
 may fill with inputs, it returns the arguments after ``python``), ``timeout`` (seconds, default
@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.jobs import run_calls
+from harness.jobs import run_calls
 
 ROOT = Path(__file__).resolve().parents[2]
 

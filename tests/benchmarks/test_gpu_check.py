@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import result_of
+from harness.jobs import result_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ["pytest", "attention", "monitor", "offload", "moe", "exchange"]

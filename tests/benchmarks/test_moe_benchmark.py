@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.jobs import result_of
+from harness.jobs import result_of
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"tokens": 64, "experts": 4, "topk": 2, "hidden": 16, "threads": 1}

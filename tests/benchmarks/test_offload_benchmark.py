@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.jobs import result_of
+from harness.jobs import result_of
 
 ROOT = Path(__file__).resolve().parents[2]
 

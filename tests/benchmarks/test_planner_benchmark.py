@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.jobs import result_of
 from lightning_vlmbalance.synthetic import synthetic_length_table
-from tests.jobs import result_of
 
 
 def _argv(tmp: Path) -> list[str]:

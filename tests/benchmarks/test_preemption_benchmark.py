@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import result_of
+from harness.jobs import result_of
 
 ROW_KEYS = {
     "strategy",

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.jobs import result_of
 from lightning_vlmbalance.synthetic import synthetic_length_table
-from tests.jobs import result_of
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import result_of
+from harness.jobs import result_of
 
 SMOKE = ("--global-batches", "300", "--warmup", "50", "--sample-every", "50")
 

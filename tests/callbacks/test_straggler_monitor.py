@@ -11,8 +11,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
+from harness.jobs import check, result, run_jobs, selected
 from lightning_vlmbalance.timing import MEASURED_PHASES
-from tests.jobs import check, result, run_jobs, selected
 from tests.launch import run_module
 
 DELAY_MS = 40.0

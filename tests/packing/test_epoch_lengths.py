@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.jobs import check, result, run_jobs, selected
+from harness.jobs import check, result, run_jobs, selected
 from tests.packing.epoch_job import SAMPLES, sampler
 
 EPOCHS = 5

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import check, result, run_jobs, selected
+from harness.jobs import check, result, run_jobs, selected
 
 # 40 packs per rank per epoch, accumulate 2: epoch 0 ends at step 20
 RESUME_CASES = [

@@ -210,7 +210,7 @@ def _two_ranks(rank: int, port: int, queue, table_shift: int) -> None:
 def _spawn_two(table_shift: int) -> dict:
     import socket
 
-    from tests.multiproc import context
+    from harness.ranks import context
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -258,7 +258,7 @@ def _tensor_parallel_pair(rank: int, world: int, seed_shift: int) -> int:
 
 def test_tensor_parallel_ranks_with_different_settings_fail_instead_of_hanging() -> None:
     """The plan check covers tensor-parallel peers (world 2, data-parallel size 1)."""
-    from tests.multiproc import run_ranks
+    from harness.ranks import run_ranks
 
     same = run_ranks(_tensor_parallel_pair, 2, 0, start_method="forkserver")
     assert same[0] == same[1] and same[0][0] == "ok"

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 import lightning_vlmbalance.timing as timing_pkg
+from harness.ranks import run_ranks
 from lightning_vlmbalance.timing import (
     LIGHTNING_SYNC,
     SERIES,
     SYNC_WAIT,
     StragglerRecorder,
 )
-from tests.multiproc import run_ranks
 from tests.timing import fake_clock
 from tests.timing.fake_clock import FakeClock
 

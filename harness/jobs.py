@@ -137,7 +137,7 @@ def run_jobs(
                 stdout, stderr = out.read(), err.read()
                 out.close(), err.close()
                 if timed_out:
-                    stderr += f"\n[tests.jobs] {name}: killed at its timeout, still running"
+                    stderr += f"\n[harness.jobs] {name}: killed at its timeout, still running"
                 span = (round(started, 1), round(time.monotonic() - began, 1))
                 done[name] = JobResult(
                     proc.args, proc.returncode, stdout, stderr, timed_out=timed_out, span=span

@@ -34,7 +34,7 @@ from typing import Any
 
 _JOIN_AFTER_FAILURE_S = 5.0  # how long a rank that outlived the grace period gets to exit
 # what the fork server imports once, before it forks ranks (``start_method="forkserver"``)
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "lightning_vlmbalance", "tests.multiproc"]
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "lightning_vlmbalance", "harness.ranks"]
 
 
 def _entry(target, rank, world, port, pg_timeout_s, queue, args) -> None:
