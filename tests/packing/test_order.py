@@ -18,10 +18,14 @@ from lightning_vlmbalance import (
     PackingConfig,
     PackingSampler,
     build_epoch_plan,
-    synthetic_length_table,
 )
 from lightning_vlmbalance.packing.plan import PADDING, _plan_in_packing_order
-from lightning_vlmbalance.synthetic import LengthTable, read_length_csv, resample_text_share
+from lightning_vlmbalance.synthetic import (
+    LengthTable,
+    read_length_csv,
+    resample_text_share,
+    synthetic_length_table,
+)
 
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 SHARED_MIX = (
