@@ -107,6 +107,7 @@ def _digest(plan) -> str:
 
 _DIGEST_SCRIPT = """
 import hashlib, numpy as np, lightning_vlmbalance as vb
+from lightning_vlmbalance.synthetic import synthetic_length_table
 t = synthetic_length_table(6000, text_share=0.4, seed=0)
 s = vb.PackingSampler(t.total_tokens, t.image_tokens, seq_len=8192, num_replicas=4, rank={rank},
                       balance=vb.SourceBalance(micro_steps=2))
