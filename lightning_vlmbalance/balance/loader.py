@@ -275,12 +275,32 @@ class RebalancingLoader:
     def __getnewargs_ex__(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (self.loader,), {}  # a copy picks its class as the original did
 
-    def __getattr__(self, name: str) -> Any:
-        # sampler, batch_size, ... of the wrapped loader (Lightning inspects a few); never the
-        # checkpoint methods, which only a resumable inner loader gives (see the subclass)
-        if name in ("loader", "state_dict", "load_state_dict"):
-            raise AttributeError(name)
-        return getattr(self.loader, name)
+    # -- what Lightning reads of a training loader: the inner loader's -----------------------
+    # (``_set_sampler_epoch`` calls ``sampler`` / ``batch_sampler``'s ``set_epoch``;
+    # ``has_iterable_dataset`` reads ``dataset``; ``seed_everything(workers=True)`` sets
+    # ``worker_init_fn``; teardown shuts down the workers of ``_iterator``.) Nothing else is
+    # forwarded.
+
+    @property
+    def dataset(self) -> Any:
+        return getattr(self.loader, "dataset", None)
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.loader, "sampler", None)
+
+    @property
+    def batch_sampler(self) -> Any:
+        return getattr(self.loader, "batch_sampler", None)
+
+    @property
+    def _iterator(self) -> Any:
+        return getattr(self.loader, "_iterator", None)
+
+    @_iterator.setter
+    def _iterator(self, value: Any) -> None:
+        if hasattr(self.loader, "_iterator"):
+            self.loader._iterator = value
 
     @property
     def worker_init_fn(self) -> Any:

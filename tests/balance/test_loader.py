@@ -109,6 +109,31 @@ def test_bad_settings_are_named() -> None:
         RebalancingLoader([], micro_steps=0, world_size=1, rank=0)
 
 
+def test_the_wrapper_shows_lightning_the_inner_loaders_sampler_and_nothing_else() -> None:
+    """What Lightning reads of a training loader (the sampler and batch sampler it calls
+    ``set_epoch`` on, the dataset it checks for iterability, the worker iterator it shuts down
+    at teardown) is the inner loader's; anything else of the inner loader is not the wrapper's."""
+    table = synthetic_length_table(40, tile_tokens=8, max_text_tokens=64, seed=3)
+    sampler = vb.PackingSampler(
+        table.total_tokens, table.image_tokens, seq_len=128, num_replicas=1, rank=0
+    )
+    ds = SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    inner = vb.PackedDataLoader(ds, sampler, num_workers=0)
+    wrapped = RebalancingLoader(inner, micro_steps=2, world_size=1, rank=0)
+    assert wrapped.sampler is inner.sampler and wrapped.batch_sampler is inner.batch_sampler
+    assert wrapped.dataset is ds and wrapped._iterator is None
+    wrapped._iterator = None  # Lightning's teardown: reaches the inner loader
+    for name in ("collate_fn", "dataloader_kwargs", "trainer", "weigh_steps", "state_at"):
+        assert hasattr(inner, name) and not hasattr(wrapped, name), name
+    plain = RebalancingLoader([], micro_steps=2, world_size=1, rank=0)  # any iterable of packs
+    assert plain.sampler is None and plain.dataset is None and plain._iterator is None
+    # Lightning's set_epoch reaches the inner sampler through the wrapper
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    _set_sampler_epoch(wrapped, 3)
+    assert inner.sampler.epoch == 3
+
+
 def _overlapped_loader(rank: int, world: int, *, micro_steps: int, timeout_s: float):
     """The overlapped RebalancingLoader over 400 synthetic samples that the jobs below share."""
     table = synthetic_length_table(400, tile_tokens=8, max_text_tokens=64, seed=3)
