@@ -18,6 +18,7 @@ window (a sample is carried at most once, so nothing drifts further than one win
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -255,10 +256,18 @@ def _check_lengths(lengths: np.ndarray, seq_len: int) -> None:
         raise ValueError(f"`seq_len={seq_len!r}` must be >= 1")
     if lengths.ndim != 1:
         raise ValueError(f"lengths must be one-dimensional, got shape {tuple(lengths.shape)}")
-    bad = np.flatnonzero((lengths < 1) | (lengths > seq_len))
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(
-            f"sample at position {i} has {int(lengths[i])} tokens, outside [1, seq_len={seq_len}]"
-            f" ({len(bad)} such samples)"
-        )
+    raise_for_first_bad(
+        (lengths < 1) | (lengths > seq_len),
+        lambda i, n: (
+            f"sample at position {i} has {int(lengths[i])} tokens, outside"
+            f" [1, seq_len={seq_len}] ({n} such samples)"
+        ),
+    )
+
+
+def raise_for_first_bad(bad: np.ndarray, message: Callable[[int, int], str]) -> None:
+    """Raises ``ValueError(message(i, n))`` where ``i`` is the first sample for which ``bad``
+    holds and ``n`` how many it holds for; nothing if none."""
+    where = np.flatnonzero(bad)
+    if len(where):
+        raise ValueError(message(int(where[0]), len(where)))

@@ -36,6 +36,7 @@ from lightning_vlmbalance.packing.binpack import (
     pack_best_fit_decreasing,
     pack_greedy,
     packing_efficiency,
+    raise_for_first_bad,
 )
 
 __all__ = [
@@ -233,13 +234,13 @@ def as_length_column(values: Any, column: str) -> np.ndarray:
     if len(bad):
         i = int(bad[0])
         raise ValueError(f"sample {i} has {float(arr.flat[i])} in length table column {column!r}")
-    bad = np.flatnonzero(arr != np.round(arr))
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(
-            f"sample {i} has a non-integral length {float(arr.flat[i])} in length table column"
-            f" {column!r}: token counts are integers (nothing is rounded silently)"
-        )
+    raise_for_first_bad(
+        arr != np.round(arr),
+        lambda i, _: (
+            f"sample {i} has a non-integral length {float(arr.flat[i])} in length table"
+            f" column {column!r}: token counts are integers (nothing is rounded silently)"
+        ),
+    )
     return arr.astype(np.int64)
 
 
@@ -252,16 +253,16 @@ def check_length_table(total_tokens: np.ndarray, image_tokens: np.ndarray) -> No
         )
     if len(total_tokens) == 0:
         raise ValueError("the dataset is empty: its length table has no samples")
-    bad = np.flatnonzero(total_tokens < 1)
-    if len(bad):
-        raise ValueError(f"sample {int(bad[0])} has {int(total_tokens[bad[0]])} tokens (< 1)")
-    bad = np.flatnonzero((image_tokens < 0) | (image_tokens > total_tokens))
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(
-            f"sample {i} has {int(image_tokens[i])} image tokens but {int(total_tokens[i])} tokens"
-            " in all: image tokens must be in [0, total_tokens]"
-        )
+    raise_for_first_bad(
+        total_tokens < 1, lambda i, _: f"sample {i} has {int(total_tokens[i])} tokens (< 1)"
+    )
+    raise_for_first_bad(
+        (image_tokens < 0) | (image_tokens > total_tokens),
+        lambda i, _: (
+            f"sample {i} has {int(image_tokens[i])} image tokens but"
+            f" {int(total_tokens[i])} tokens in all: image tokens must be in [0, total_tokens]"
+        ),
+    )
 
 
 def check_image_counts(images: np.ndarray, image_tokens: np.ndarray) -> None:
