@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch._dynamo
+from common import add_json_flag, print_json, stamp, timed
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
@@ -51,17 +50,20 @@ def count(batches: list[dict[str, Any]], *, mark: bool, dim: int) -> dict[str, A
     model = ToyVLM(max_positions=512, patch_dim=32, vocab_size=256, dim=dim, heads=4)
     backend = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=backend)
-    start = time.perf_counter()
-    for batch in batches:
-        if mark:
-            mark_pack_dynamic(batch)
-        vb.packed_cross_entropy(compiled(batch), batch).loss.backward()
+
+    def train() -> None:
+        for batch in batches:
+            if mark:
+                mark_pack_dynamic(batch)
+            vb.packed_cross_entropy(compiled(batch), batch).loss.backward()
+
+    _, seconds = timed(train)
     breaks = counters["graph_break"]
     return {
         "compilations": backend.frame_count,
         "graph_breaks": sum(breaks.values()),
         "break_reasons": sorted({reason.splitlines()[0] for reason in breaks}),
-        "seconds": round(time.perf_counter() - start, 1),
+        "seconds": round(seconds, 1),
     }
 
 
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--packs", type=int, default=100)
     p.add_argument("--seed", type=int, default=0, help="data and packing seed")
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     batches = packs(args.packs, args.seed)
@@ -80,13 +82,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "packs": len(batches),
         "seed": args.seed,
         "packs_with_images": sum(b["meta"]["images"] > 0 for b in batches),
-        "torch": torch.__version__,
+        **stamp("torch"),
         "plain": count(batches, mark=False, dim=args.dim),
         "marked": count(batches, mark=True, dim=args.dim),
     }
     torch._dynamo.reset()
     if args.json:
-        print(json.dumps(result))
+        print_json(result)
     else:
         for mode in ("plain", "marked"):
             r = result[mode]

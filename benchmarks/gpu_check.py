@@ -43,7 +43,6 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -54,6 +53,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from common import add_json_flag, cuda_ms, environment, median_ms, print_json, timed, wall_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -113,28 +114,12 @@ PART_NAMES = tuple(p.name for p in PARTS)
 
 def _emit(obj: dict) -> None:
     """Prints a (partial) result as one JSON line: on a timeout the parent keeps the last one."""
-    print(json.dumps(obj), flush=True)
+    print_json(obj)
 
 
 def _median_ms(fn, warmup: int, reps: int, cuda: bool) -> float:
-    import torch
-
-    times = []
-    for i in range(warmup + reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
-    return statistics.median(times)
+    """Median of ``reps`` calls after ``warmup``: CUDA events on the GPU, else the host clock."""
+    return median_ms(fn, reps=reps, warmup=warmup, clock=cuda_ms if cuda else wall_ms)
 
 
 def part_attention(smoke: bool) -> dict:
@@ -340,9 +325,9 @@ def part_monitor(smoke: bool) -> dict:
         trainer.fit(model, datamodule=data)
     if cuda:
         torch.cuda.set_sync_debug_mode(0)
-    timed = toggle.blocks[1:]  # block 0: warm-up
-    on = [b for b in timed if b["on"]]
-    off = [b for b in timed if not b["on"]]
+    measured = toggle.blocks[1:]  # block 0: warm-up
+    on = [b for b in measured if b["on"]]
+    off = [b for b in measured if not b["on"]]
     steps_on = {s for b in on for s in range(b["last_step"] - block + 1, b["last_step"] + 1)}
     records = [json.loads(line) for line in Path(monitor.jsonl_path).read_text().splitlines()]
     phase_sum = [sum(r["phases_ms"].values()) for r in records if r["global_step"] in steps_on]
@@ -550,13 +535,13 @@ def part_exchange(smoke: bool) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     n_packs = 8 if cuda else 3
     packs = {p: _example_pack(p, big=cuda) for p in range(n_packs)}
-    t0 = time.perf_counter()
-    encoded = {p: ex.encode_pack(pack) for p, pack in packs.items()}
-    encode_ms = (time.perf_counter() - t0) * 1e3 / n_packs
+    encoded, encode_s = timed(lambda: {p: ex.encode_pack(pack) for p, pack in packs.items()})
+    encode_ms = encode_s * 1e3 / n_packs
     payload_mib = sum(pl.numel() for _, pl in encoded.values()) / n_packs / (1 << 20)
-    t0 = time.perf_counter()
-    pinned = {p: pl.pin_memory() if cuda else pl for p, (_, pl) in encoded.items()}
-    pin_ms = (time.perf_counter() - t0) * 1e3 / n_packs
+    pinned, pin_s = timed(
+        lambda: {p: pl.pin_memory() if cuda else pl for p, (_, pl) in encoded.items()}
+    )
+    pin_ms = pin_s * 1e3 / n_packs
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
@@ -621,7 +606,8 @@ def part_exchange(smoke: bool) -> dict:
                 for p in packs:
                     buffers[p][1].copy_(pinned[p], non_blocking=True)
 
-    def timed(*fns) -> float:
+    def synced_ms(*fns) -> float:
+        """Host milliseconds from an idle device to an idle device again, ``fns`` in between."""
         torch.cuda.synchronize()
         t = time.perf_counter()
         for fn in fns:
@@ -629,10 +615,10 @@ def part_exchange(smoke: bool) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - t) * 1e3
 
-    timed(compute, copies)  # warm-up
-    c_ms = statistics.median(timed(compute) for _ in range(3))
-    x_ms = statistics.median(timed(copies) for _ in range(3))
-    w_ms = statistics.median(timed(copies, compute) for _ in range(3))
+    synced_ms(compute, copies)  # warm-up
+    c_ms = statistics.median(synced_ms(compute) for _ in range(3))
+    x_ms = statistics.median(synced_ms(copies) for _ in range(3))
+    w_ms = statistics.median(synced_ms(copies, compute) for _ in range(3))
     out["h2d_gib_per_s"] = reps * n_packs * payload_mib / 1024 / (x_ms / 1e3)
     out["compute_ms"], out["copies_ms"], out["together_ms"] = c_ms, x_ms, w_ms
     out["overlap_frac"] = max(0.0, min(1.0, (c_ms + x_ms - w_ms) / min(c_ms, x_ms)))
@@ -883,32 +869,23 @@ def _table(rows: list[dict]) -> str:
 
 
 def _machine() -> dict:
-    info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                            "platform": platform.platform()}  # fmt: skip
+    """Python, platform, CPUs, the packages the parts use, and the GPUs torch sees."""
+    gpus: dict[str, Any] = {"gpus": 0}
     try:
-        import torch
+        import torch  # first: its own __version__ is the version reported
 
-        info["torch"] = torch.__version__
-        info["cuda"] = torch.version.cuda
         # device_count does not create a CUDA context in this process (children measure)
-        info["gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = {"cuda": torch.version.cuda, "gpus": count}
     except ImportError:
-        info["torch"], info["gpus"] = None, 0
-    for name in ("lightning", "transformers", "flash_attn", "pytest"):
-        spec = importlib.util.find_spec(name)
-        info[name] = None
-        if spec is not None:
-            with contextlib.suppress(Exception):
-                from importlib.metadata import version
-
-                info[name] = version(name.replace("_", "-"))
-    return info
+        pass
+    return {**environment("torch", "lightning", "transformers", "flash_attn", "pytest"), **gpus}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="every part on the CPU, tiny sizes")
-    p.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    add_json_flag(p)
     p.add_argument("--out", type=Path, help="also write gpu_check.md/.json and part logs here")
     p.add_argument("--budget-s", type=float, default=480.0, help="all parts together")
     p.add_argument("--parts", default=",".join(PART_NAMES), help="comma list, in run order")
@@ -1010,7 +987,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("output_tail"):
             print(f"\n{r['part']} ({r['status']}), last output:\n{r['output_tail'][-1500:]}")
     if args.json:
-        print(json.dumps(report))
+        print_json(report)
     return 0 if report["ok"] else 1
 
 

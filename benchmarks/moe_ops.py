@@ -42,7 +42,6 @@ latter) and ``graph_ops`` (operators in the captured graphs); for the loop only 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -56,8 +55,10 @@ from torch._library.custom_ops import _maybe_get_opdef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# its siblings when loaded by its path (tests/moe/test_moe_ops.py) rather than run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import add_json_flag, print_json, stamp
 from moe_routing import LoopExperts, SortedExperts  # the timed layers
 
 PATHS = ("loop", "sorted_fp32", "sorted_bf16")
@@ -264,7 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokens": args.tokens,
         "hidden": args.hidden,
         "ffn": 2 * args.hidden,
-        "torch": torch.__version__,
+        **stamp("torch"),
         "compile": args.compile,
         "rows": rows,
     }
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         help="compile the loop only up to this E (tracing E experts takes seconds each)",
     )
     p.add_argument("--smoke", action="store_true", help="E = 4, 8; 64 tokens; hidden 16")
-    p.add_argument("--json", action="store_true", help="print one JSON object last")
+    add_json_flag(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.experts, args.tokens, args.hidden = "4,8", 64, 16
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     report = run(args)
     print(_table(report))
     if args.json:
-        print(json.dumps(report))
+        print_json(report)
 
 
 if __name__ == "__main__":

@@ -24,14 +24,12 @@ runs after ``--warmup`` (compilation is in the warm-up, not in the times).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import add_json_flag, median_ms, print_json, stamp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -112,14 +110,12 @@ def _hf_block(router_w, gate_up, down, k: int, impl: str = "grouped_mm") -> nn.M
 
 
 def _time(fn, x: torch.Tensor, probe: torch.Tensor, warmup: int, reps: int) -> float:
-    times = []
-    for i in range(warmup + reps):
-        xi = x.detach().requires_grad_()
-        t0 = time.perf_counter()
-        (fn(xi) * probe).sum().backward()
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds of forward + backward of a weighted sum of ``fn``'s output."""
+
+    def step() -> None:
+        (fn(x.detach().requires_grad_()) * probe).sum().backward()
+
+    return median_ms(step, reps=reps, warmup=warmup)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -155,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
         "ffn": Fh,
         "threads": args.threads,
         "backend": args.backend,
-        "torch": torch.__version__,
+        **stamp("torch", "transformers"),
         "loop_ms": times["loop"],
         "sorted_eager_ms": times["sorted_eager"],
         "sorted_compiled_ms": times["sorted_compiled"],
@@ -177,11 +173,11 @@ def main() -> None:
     p.add_argument("--backend", default="inductor", help="torch.compile backend of sorted_compiled")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     args = p.parse_args()
     out = run(args)
     if args.json:
-        print(json.dumps(out))
+        print_json(out)
         return
     for key in ("loop_ms", "sorted_eager_ms", "sorted_compiled_ms", "hf_grouped_ms", "hf_eager_ms"):
         value = out[key]

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import add_json_flag, cuda_ms, median_ms, print_json, stamp, wall_ms
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -72,26 +70,21 @@ def run(args: argparse.Namespace) -> dict:
         model(x).float().square().mean().backward()
 
     def timed(ctx_factory) -> dict:
-        times = []
-        for i in range(args.warmup + args.steps):
-            if cuda:
-                torch.cuda.synchronize()
-                if i == args.warmup:
-                    torch.cuda.reset_peak_memory_stats()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                start.record()
-            t0 = time.perf_counter()
+        """Median step time under ``ctx_factory()`` and the peak memory of the timed steps."""
+
+        def offloaded_step() -> None:
             with ctx_factory():
                 loss = model(x).float().square().mean()
             loss.backward()
-            if cuda:
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                times.append((time.perf_counter() - t0) * 1e3)
+
+        for _ in range(args.warmup):
+            offloaded_step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        ms = median_ms(offloaded_step, reps=args.steps, clock=cuda_ms if cuda else wall_ms)
         peak = torch.cuda.max_memory_allocated() if cuda else 0
-        return {"step_ms": statistics.median(times[args.warmup :]), "peak_bytes": peak}
+        return {"step_ms": ms, "peak_bytes": peak}
 
     # memory of the model and its gradients (kept between steps), measured after one step
     step()
@@ -124,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
         row["activation_mem_vs_none"] = row["peak_activation_mib"] / ref_act if ref_act else None
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu (tiny smoke run, test mode)",
-        "torch": torch.__version__,
+        **stamp("torch"),
         "params": params,
         "tokens": args.tokens,
         "dim": args.dim,
@@ -152,14 +145,14 @@ def main() -> None:
         help="our min_bytes, in MiB (comma list): larger offloads only the big tensors",
     )
     p.add_argument("--tiny", action="store_true", help="a small CPU run of the same code")
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     args = p.parse_args()
     if args.tiny:
         args.tokens, args.dim, args.heads, args.layers = 64, 32, 2, 2
         args.steps, args.warmup, args.min_mib = 2, 1, [0.0]
     out = run(args)
     if args.json:
-        print(json.dumps(out, indent=2))
+        print_json(out, indent=2)  # the whole of stdout
         return
     print(f"{out['device']}: {out['params'] / 1e9:.2f}B params, {out['tokens']} tokens")
     for name, row in out["results"].items():

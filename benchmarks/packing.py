@@ -37,16 +37,13 @@ With ``--json`` the last line of stdout is one JSON object with the results.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from common import add_json_flag, print_json, stamp, timed
 
 from lightning_vlmbalance.packing.binpack import (
     Packs,
@@ -163,7 +160,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=4096, metavar="N", help="packing window")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="resampling seed")
     parser.add_argument("--repeat", type=int, default=3, metavar="R", help="timed runs")
-    parser.add_argument("--json", action="store_true", help="print a JSON line last")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.seq_len < 1:
         parser.error(f"--seq-len {args.seq_len} must be >= 1")
@@ -222,9 +219,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     valid = True
     packs: Packs | None = None
     for _ in range(args.repeat):
-        start = time.perf_counter()
-        packs = packer(total)
-        times.append(time.perf_counter() - start)
+        packs, seconds = timed(packer, total)
+        times.append(seconds)
         run_split, run_max, run_ok = verify(packs, total, args.seq_len)
         # report the worst run (the packers are deterministic, so all runs should agree)
         split, max_tokens, valid = max(split, run_split), max(max_tokens, run_max), valid and run_ok
@@ -270,9 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "seed": args.seed,
         "threads": 1,
         "source": source,
-        "date": datetime.date.today().isoformat(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
+        **stamp("numpy"),
     }
 
 
@@ -307,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     if args.json:
-        print(json.dumps(result))
+        print_json(result)
     return 0 if result["valid"] else 1
 
 

@@ -33,19 +33,13 @@ configuration in ``rows``; with one of each, the configuration's fields are at t
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+from common import add_json_flag, print_json, stamp, timed
 from packing import BenchmarkError, load
 
 from lightning_vlmbalance.balance import (
@@ -77,7 +71,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=4, metavar="B", help="global batches")
     parser.add_argument("--repeat", type=int, default=3, metavar="R", help="timed plan calls")
     parser.add_argument("--seed", type=int, default=0, metavar="S")
-    parser.add_argument("--json", action="store_true", help="print a JSON line last")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.seq_len < 1 or args.batches < 1 or args.repeat < 1:
         parser.error("--seq-len, --batches and --repeat must be >= 1")
@@ -148,11 +142,10 @@ def run_config(
     for b in range(args.batches):
         cost = np.ascontiguousarray(cost_RP[:, b * ga : (b + 1) * ga]).reshape(-1)
         for _ in range(args.repeat):
-            start = time.perf_counter()
-            plan = plan_rebalance(
-                cost, origin, dp, ga, objective=objective, tolerance=args.tolerance
+            plan, seconds = timed(
+                plan_rebalance, cost, origin, dp, ga, objective=objective, tolerance=args.tolerance
             )
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
         naive = naive_moved_packs(cost, origin, dp)
         sums["waste_baseline"] += plan.waste_before
         sums["waste_planned"] += plan.waste_after
@@ -206,9 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "seed": args.seed,
         "cost_model": "default",
         "source": source,
-        "date": datetime.date.today().isoformat(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
+        **stamp("numpy"),
     }
     if len(rows) == 1:
         return {**rows[0], **common}
@@ -241,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ok = False
             print(f"error: dp={r['dp']} ga={r['ga']} {r['objective']}: {failure}", file=sys.stderr)
     if args.json:
-        print(json.dumps(result))
+        print_json(result)
     return 0 if ok else 1
 
 

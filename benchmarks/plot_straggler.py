@@ -10,12 +10,12 @@ extra). With ``--json`` it prints, last, one JSON object with each series' media
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from common import add_json_flag, print_json
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_vlmbalance.timing import COMPUTE_PHASES, WAIT_PHASES
@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("logdir", type=Path)
     p.add_argument("-o", "--out", type=Path, required=True)
     p.add_argument("--title", default="StragglerMonitor: milliseconds per optimizer step")
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     args = p.parse_args()
 
     import matplotlib
@@ -81,7 +81,7 @@ def main() -> None:
             for ph, ranks in series.items()
         }
         medians["waste_frac"] = round(float(np.median([e.value for e in waste])), 4)
-        print(json.dumps(medians))
+        print_json(medians)
 
 
 if __name__ == "__main__":

@@ -42,10 +42,8 @@ plus the top-level fields of the last mode requested.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import platform
 import queue
 import sys
 import threading
@@ -55,11 +53,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+from common import add_json_flag, print_json, stamp, timed
+from packing import BenchmarkError, load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness.ranks
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/packing.py
-
-from packing import BenchmarkError, load
 
 from harness.ranks import run_ranks
 from lightning_vlmbalance.sim.cli import comma_list
@@ -113,7 +110,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="write StragglerMonitor-schema JSON lines per rank (DIR/<mode>/rank_<r>.jsonl)",
     )
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     args = p.parse_args(argv)
     args.modes = ["off"] + [m for m in dict.fromkeys(args.mode) if m != "off"]
     if args.ranks < 2 or args.ga < 1 or args.steps < 1 or args.warmup < 0 or args.read_ahead < 0:
@@ -268,9 +265,7 @@ def _compute(batch: dict[str, Any], model: Any, time_scale: float) -> dict[str, 
         "backward": phases["vision_bwd"] + phases["llm_bwd"],
     }
     for phase, ms in sleeps.items():
-        start = time.perf_counter()
-        time.sleep(ms * time_scale / 1e3)
-        record[f"{phase}_ms"] = (time.perf_counter() - start) * 1e3
+        record[f"{phase}_ms"] = timed(time.sleep, ms * time_scale / 1e3)[1] * 1e3
     return record
 
 
@@ -450,29 +445,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" {r['measured_gain']:>8.3f}"
         )
     if args.json:
-        import torch
-
         last = results[args.modes[-1]]
-        print(
-            json.dumps(
-                {
-                    **last,
-                    "modes": results,
-                    "ranks": args.ranks,
-                    "ga": args.ga,
-                    "steps": args.steps,
-                    "warmup": args.warmup,
-                    "text_share": args.text_share,
-                    "time_scale": args.time_scale,
-                    "pixel_dim": args.pixel_dim,
-                    "read_ahead": args.read_ahead,
-                    "sync_every": args.sync_every,
-                    "date": datetime.date.today().isoformat(),
-                    "python": platform.python_version(),
-                    "torch": torch.__version__,
-                    "numpy": np.__version__,
-                }
-            )
+        print_json(
+            {
+                **last,
+                "modes": results,
+                "ranks": args.ranks,
+                "ga": args.ga,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "text_share": args.text_share,
+                "time_scale": args.time_scale,
+                "pixel_dim": args.pixel_dim,
+                "read_ahead": args.read_ahead,
+                "sync_every": args.sync_every,
+                **stamp("torch", "numpy"),
+            }
         )
     return 0 if all(math.isfinite(r["steps_per_s"]) for r in results.values()) else 1
 

@@ -28,8 +28,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from common import add_json_flag, print_json, stamp  # noqa: E402
 from packing import load  # noqa: E402
 
 from lightning_vlmbalance.balance.cost import CostModel  # noqa: E402
@@ -47,7 +47,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--time-scale", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     args = p.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     measured: dict[tuple[int, str], float] = {}
@@ -131,9 +131,10 @@ def main() -> None:
         "rows": rows,
         "mape": round(mape, 4),
         "mape_compute_only": round(mape_compute_only, 4),
+        **stamp("numpy", "torch"),
     }
     if args.json:
-        print(json.dumps(out))
+        print_json(out)
         return
     print(f"cost model fit on {len(records)} micro-batches: {fit}")
     print(f"step overhead: {overhead}")

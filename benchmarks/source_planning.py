@@ -23,22 +23,16 @@ the times. Run it alone: timings share the machine.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+from common import add_json_flag, print_json, stamp, timed
 from packing import BenchmarkError, load
 
 from lightning_vlmbalance.balance import CostModel
@@ -62,7 +56,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=6, metavar="B")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--goal-ms", type=float, default=20.0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    add_json_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -89,18 +83,16 @@ def measure(
     kwargs = dict(
         packs_per_batch=P, seq_len=seq_len, pack_fixed_image_cost=fixed, settings=settings
     )
-    start = time.perf_counter()
-    form_balanced_batches(order[: 4 * P], total, image, cost, **kwargs)  # compiles, or loads
-    first_call_s = time.perf_counter() - start
-    start = time.perf_counter()
-    formed = form_balanced_batches(order, total, image, cost, **kwargs)
-    form_ms = (time.perf_counter() - start) * 1000 / len(formed)
-    place = []
-    for batch in formed:
-        start = time.perf_counter()
+    # the first call compiles the former, or loads it from numba's cache
+    _, first_call_s = timed(form_balanced_batches, order[: 4 * P], total, image, cost, **kwargs)
+    formed, form_s = timed(form_balanced_batches, order, total, image, cost, **kwargs)
+    form_ms = form_s * 1000 / len(formed)
+
+    def place_one(batch) -> None:
         batch.tokens(total)
         _place(batch, total, image, images, model, R, G, objective)
-        place.append((time.perf_counter() - start) * 1000)
+
+    place = [timed(place_one, batch)[1] * 1000 for batch in formed]
     full = [b for b in formed if len(b) == P][:-1] or formed[:1]
     packing = float(sum(int(b.tokens(total).sum()) for b in full) / (len(full) * P * seq_len))
     place_ms = statistics.median(place)
@@ -162,19 +154,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" {r['place_ms']} | **{r['plan_ms']}** | {r['packing']:.4f} |"
         )
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "benchmark": "source_planning",
-                    "date": datetime.date.today().isoformat(),
-                    "machine": platform.processor() or platform.machine(),
-                    "source": source,
-                    "seq_len": args.seq_len,
-                    "objective": args.objective,
-                    "goal_ms": args.goal_ms,
-                    "rows": rows,
-                }
-            )
+        print_json(
+            {
+                "benchmark": "source_planning",
+                **stamp("numpy", "numba"),
+                "source": source,
+                "seq_len": args.seq_len,
+                "objective": args.objective,
+                "goal_ms": args.goal_ms,
+                "rows": rows,
+            }
         )
     return 0
 

@@ -20,10 +20,8 @@ stdout is one JSON object with ``--json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import add_json_flag, print_json, stamp, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,7 +149,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     p.add_argument("--child", choices=["with", "without", "toggle"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -188,27 +187,29 @@ def _timer_cost_us(micro_batches: int, steps: int = 2000) -> float:
 
     timer = StepTimer()
     features = {"pack_id": 1, "total_tokens": 512, "image_tokens": 256, "images": 2}
-    t0 = time.perf_counter()
-    for s in range(steps):
-        for _ in range(micro_batches):
-            timer.start("lightning_sync", host=True)
-            timer.stop("lightning_sync")
-            timer.start("data", host=True)
-            timer.stop("data")
-            timer.set_features(features)
-            for phase in ("vision_fwd", "llm_fwd"):
-                timer.start(phase)
-                timer.stop(phase)
-            timer.start("backward")
-            timer.mark_sync_entry()
-            timer.stop_backward()
-            timer.end_micro()
-        timer.start("optimizer")
-        timer.stop("optimizer")
-        timer.end_step(s, 0)
-        for step in timer.drain():
-            json.dumps(step.to_json(0, 2))
-    return (time.perf_counter() - t0) / (steps * micro_batches) * 1e6
+
+    def run() -> None:
+        for s in range(steps):
+            for _ in range(micro_batches):
+                timer.start("lightning_sync", host=True)
+                timer.stop("lightning_sync")
+                timer.start("data", host=True)
+                timer.stop("data")
+                timer.set_features(features)
+                for phase in ("vision_fwd", "llm_fwd"):
+                    timer.start(phase)
+                    timer.stop(phase)
+                timer.start("backward")
+                timer.mark_sync_entry()
+                timer.stop_backward()
+                timer.end_micro()
+            timer.start("optimizer")
+            timer.stop("optimizer")
+            timer.end_step(s, 0)
+            for step in timer.drain():
+                json.dumps(step.to_json(0, 2))
+
+    return timed(run)[1] / (steps * micro_batches) * 1e6
 
 
 def _report(args: argparse.Namespace, rates: dict[str, list[float]], steps_per_block: int) -> None:
@@ -231,16 +232,14 @@ def _report(args: argparse.Namespace, rates: dict[str, list[float]], steps_per_b
         "accumulate": args.accumulate,
         "ranks": 2,
         "log_every_n_steps": args.log_every,
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
-        "python": platform.python_version(),
+        **stamp("torch", "lightning", "numpy"),
     }
     print(
         f"overhead {result['overhead_frac']:+.2%} (with {med['with']:.3f},"
         f" without {med['without']:.3f} steps/s)"
     )
     if args.json:
-        print(json.dumps(result))
+        print_json(result)
 
 
 if __name__ == "__main__":

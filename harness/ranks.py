@@ -6,9 +6,9 @@ Each process calls ``target(rank, world_size, *args)`` after ``torch.set_num_thr
 message")}``. A process that dies without reporting (killed, ``os._exit``, or stuck past
 ``timeout`` and then killed) shows up as ``("missing", exitcode)``.
 
-The tests and the multi-process benchmarks (``benchmarks/soak_exchange.py``,
-``benchmarks/rebalance_e2e.py``) share this one harness; the keyword options are what the
-benchmarks need beyond the tests' defaults.
+The tests (among them the exchange soak, ``tests/suites/soak_exchange.py``) and the
+multi-process benchmark ``benchmarks/rebalance_e2e.py`` share this one harness; the keyword
+options are what the soak and the benchmark need beyond the tests' defaults.
 
 Ranks are spawned (fresh interpreters) by default. The tests of the loader, the exchange and the
 sampler fork them instead (``start_method="forkserver"``) from multiprocessing's fork server,

@@ -19,7 +19,7 @@ trains the example VLM for far longer than a trial lasts and writes, per rank ``
 ==========================  ===============================================================
 
 The harness, :func:`run_trial`, shared by ``tests/balance/test_preemption.py`` and
-``benchmarks/preemption.py``: it launches the job in a session of its own, waits until both
+``tests/suites/preemption.py``: it launches the job in a session of its own, waits until both
 ranks train, waits ``delay_s``, sends SIGTERM to both ranks (back to back, as SLURM and
 Kubernetes stop a job), to rank 0 only (the ranks agree on it), or to the job's whole process
 group (``"group"``: as SLURM at the time limit or ``kill -TERM -PGID`` do, DataLoader workers

@@ -14,7 +14,7 @@ lands (mid-micro-batch, mid-exchange, between optimizer steps), every rank must:
 - be gone within 10 s of the signal. This is a hang bound, not a performance figure: a hung
   rank otherwise stays until a collective's timeout (30 min by default), and the scheduler's
   grace period before SIGKILL is typically 30 s. Timings are measured by
-  ``benchmarks/preemption.py``.
+  ``tests/suites/preemption.py``.
 
 Each case launches ``tests.balance.preempt_job`` (about 10 s to start on 2 CPU cores) and sends
 the signal after a seeded random delay of 0-2 s once both ranks train.

@@ -7,28 +7,16 @@ status, the numbers and the structure the GPU session will rely on.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 from harness.jobs import result_of
+from tests.benchmarks.scripts import load
 
-ROOT = Path(__file__).resolve().parents[2]
 PARTS = ["pytest", "attention", "monitor", "offload", "moe", "exchange"]
-
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "_gpu_check", ROOT / "benchmarks" / "gpu_check.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _smoke_argv(out: Path) -> list[str]:
@@ -126,7 +114,7 @@ def test_a_failed_or_timed_out_part_does_not_stop_the_others(smoke_runs) -> None
 def test_last_json_reads_one_line_and_indented_objects() -> None:
     """Children print one-line JSON (gpu_check) or an indented object (offload_gpu.py); after a
     timeout the last complete one counts."""
-    bench = _load_benchmark()
+    bench = load("gpu_check")
     indented = "log line\n" + json.dumps({"a": {"b": [1, 2]}}, indent=2)
     assert bench._last_json(indented) == {"a": {"b": [1, 2]}}
     partial = '{"partial": true, "n": 1}\n{"partial": true, "n": 2}\n{"trunc'
@@ -135,7 +123,7 @@ def test_last_json_reads_one_line_and_indented_objects() -> None:
 
 
 def test_unknown_part_is_an_error_naming_the_known_ones(capsys) -> None:
-    bench = _load_benchmark()
+    bench = load("gpu_check")
     with pytest.raises(SystemExit):
         bench.main(["--smoke", "--parts", "attention,nope"])
     assert "['nope']" in capsys.readouterr().err

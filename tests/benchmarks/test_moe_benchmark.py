@@ -7,7 +7,6 @@ exist, are finite and positive, and that the derived numbers follow from them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -16,18 +15,9 @@ import pytest
 import torch
 
 from harness.jobs import result_of
+from tests.benchmarks.scripts import load
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = {"tokens": 64, "experts": 4, "topk": 2, "hidden": 16, "threads": 1}
-
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "_moe_routing_benchmark", ROOT / "benchmarks" / "moe_routing.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _has_transformers() -> bool:
@@ -47,7 +37,7 @@ def _tiny_argv(out: Path) -> list[str]:
 
 @pytest.mark.smoke_run("moe_routing", argv=_tiny_argv, check=True, seconds=7)
 def test_moe_benchmark_tiny_run(smoke_runs) -> None:
-    out = result_of(smoke_runs, "moe_routing").proc  # a smoke run (tests/benchmarks/conftest.py)
+    out = result_of(smoke_runs, "moe_routing").proc  # a smoke run (tests/smoke_runs.py)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     # the run is the one configured (the expert hidden size defaults to 2 x hidden)
     assert {k: report[k] for k in TINY} == TINY
@@ -73,7 +63,7 @@ def test_loop_and_sorted_paths_have_the_same_forward_and_backward(one_thread) ->
     """The benchmark times forward + backward: the sorted path must compute the loop's output
     and every gradient (input, router, each expert's gate, up and down weights), else the
     speed-up compares different work."""
-    bench = _load_benchmark()
+    bench = load("moe_routing")
     torch.manual_seed(0)
     E, K, H, F, T = 4, 2, 16, 32, 64
     router_w = torch.randn(E, H) / H**0.5

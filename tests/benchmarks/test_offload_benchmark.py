@@ -9,7 +9,6 @@ saves in one forward of the benchmarked stack (``--min-mib 0``: everything but t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -21,17 +20,9 @@ import torch
 from torch import nn
 
 from harness.jobs import result_of
+from tests.benchmarks.scripts import load
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "_offload_gpu_benchmark", ROOT / "benchmarks" / "offload_gpu.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(*args: str) -> dict:
@@ -49,7 +40,7 @@ def _run(*args: str) -> dict:
 def _saved_activation_bytes(report: dict, heads: int, device: str, dtype: torch.dtype) -> int:
     """Bytes of what autograd saves in one forward of the benchmark's stack, parameters (and
     views of them) left out, counted with plain saved-tensor hooks (no offloader involved)."""
-    bench = _load_benchmark()
+    bench = load("offload_gpu")
     torch.manual_seed(0)
     layers = (bench.Block(report["dim"], heads) for _ in range(report["layers"]))
     model = nn.Sequential(*layers).to(device, dtype)
@@ -75,7 +66,7 @@ def _tiny_argv(out: Path) -> list[str]:
 
 @pytest.mark.smoke_run("offload_tiny", argv=_tiny_argv, timeout=300, check=True, seconds=5)
 def test_offload_benchmark_tiny_run(smoke_runs) -> None:
-    # a smoke run (tests/benchmarks/conftest.py), as _run("--tiny")
+    # a smoke run (tests/smoke_runs.py), as _run("--tiny")
     report = json.loads(result_of(smoke_runs, "offload_tiny").proc.stdout)
     assert report["device"].startswith("cpu") and report["dtype"] == "torch.float32"
     assert (report["tokens"], report["dim"], report["layers"], report["steps"]) == (64, 32, 2, 2)

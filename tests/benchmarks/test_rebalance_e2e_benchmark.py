@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from harness.jobs import result_of
-from lightning_vlmbalance.synthetic import synthetic_length_table
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _benchmark_module():
-    saved = list(sys.path)  # the script puts benchmarks/ first on the path for its imports
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "rebalance_e2e", ROOT / "benchmarks" / "rebalance_e2e.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
+from tests.benchmarks.scripts import load, mix_csv
 
 
 class _Source:
@@ -51,14 +33,14 @@ def _readers() -> int:
 @pytest.mark.parametrize("depth", [0, 1, 8, 100])
 def test_read_ahead_yields_the_source_in_order_and_joins_its_thread(depth) -> None:
     """Reading ahead changes when a batch is built, never which batch comes next."""
-    read_ahead = _benchmark_module().ReadAhead(_Source(20), depth)
+    read_ahead = load("rebalance_e2e").ReadAhead(_Source(20), depth)
     assert len(read_ahead) == 20
     assert [b["i"] for b in read_ahead] == list(range(20))
     assert _readers() == 0
 
 
 def test_read_ahead_raises_the_source_error_and_stops_early() -> None:
-    ReadAhead = _benchmark_module().ReadAhead
+    ReadAhead = load("rebalance_e2e").ReadAhead
     with pytest.raises(RuntimeError, match="source failed at 5"):
         list(ReadAhead(_Source(20, fail_at=5), 4))
     assert _readers() == 0
@@ -69,15 +51,9 @@ def test_read_ahead_raises_the_source_error_and_stops_early() -> None:
 
 
 def _e2e_argv(tmp: Path) -> list[str]:
-    table = synthetic_length_table(4000, text_share=0.3, seed=0)
-    csv = tmp / "mix.csv"
-    rows = np.stack([table.total_tokens, table.image_tokens, table.images], axis=1)
-    np.savetxt(
-        csv, rows, fmt="%d", delimiter=",", header="total_tokens,image_tokens,images", comments=""
-    )
     return [
         "benchmarks/rebalance_e2e.py",
-        *("--data", str(csv), "--text-share", "0.2"),
+        *("--data", str(mix_csv(tmp, 4000)), "--text-share", "0.2"),
         *("--ranks", "2", "--ga", "4", "--steps", "2", "--warmup", "1"),
         *("--mode", "overlap", "--timings-dir", str(tmp / "timings"), "--json"),
     ]
@@ -85,7 +61,7 @@ def _e2e_argv(tmp: Path) -> list[str]:
 
 @pytest.mark.smoke_run("rebalance_e2e", argv=_e2e_argv, seconds=17)
 def test_rebalance_e2e_benchmark_on_a_csv(smoke_runs) -> None:
-    run = result_of(smoke_runs, "rebalance_e2e")  # a smoke run (tests/benchmarks/conftest.py)
+    run = result_of(smoke_runs, "rebalance_e2e")  # a smoke run (tests/smoke_runs.py)
     out, timings = run.proc, run.out / "timings"
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -23,11 +23,11 @@ Lightning's child-process observer); ``rank0_returncodes``; ``exit_status`` (tri
 
 Commands (from the repository root; about 13 s per trial on 2 CPU cores, plus the cap when hung)::
 
-    python benchmarks/preemption.py --trials 20 --strategies vlmbalance,ddp \\
+    python -m tests.suites.preemption --trials 20 --strategies vlmbalance,ddp \\
         --modes overlap,sync,off --target both,rank0 --json
-    python benchmarks/preemption.py --trials 20 --strategies vlmbalance --modes overlap \
+    python -m tests.suites.preemption --trials 20 --strategies vlmbalance --modes overlap \\
         --target group --num-workers 2 --json
-    python benchmarks/preemption.py --trials 1 --strategies ddp --target rank0 --json  # smoke
+    python -m tests.suites.preemption --trials 1 --strategies ddp --target rank0 --json  # smoke
 
 The last line of stdout is one JSON object with ``--json``: ``rows`` (one per configuration, the
 fields above) and ``trials`` (each trial's timings, exceptions and, when hung, the main thread's
@@ -48,10 +48,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.balance.preempt_job import (  # noqa: E402
+from tests.balance.preempt_job import (
     TARGETS,
     exchange_thread_left,
     run_trial,
@@ -197,7 +194,7 @@ def main() -> None:
     _print_table(rows)
     if args.json:
         report = {
-            "command": " ".join(["python", "benchmarks/preemption.py", *sys.argv[1:]]),
+            "command": " ".join(["python", "-m", "tests.suites.preemption", *sys.argv[1:]]),
             "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
             "cap_s": args.cap_s,

@@ -12,16 +12,18 @@ killed and it counts as HANG. A rank still alive 15 s after rank 0 exited is a H
 
 Commands (from the repository root)::
 
-    python -m benchmarks.trainer_battery                          # every case, a table
-    python -m benchmarks.trainer_battery --cases accumulate_1,bad_length_table --json
-    python -m benchmarks.trainer_battery --list
+    python -m tests.suites.trainer_battery                          # every case, a table
+    python -m tests.suites.trainer_battery --cases accumulate_1,bad_length_table --json
+    python -m tests.suites.trainer_battery --list
 
 With ``--json`` the last line of stdout is one JSON object: ``cases`` (``name``, ``status``
 PASS/FAIL/HANG, ``seconds``, ``reason``), ``passed``, ``failed``, ``hung``, ``seconds``.
 
-Internally each case re-runs this module as its job, ``python -m benchmarks.trainer_battery
+Internally each case re-runs this module as its job, ``python -m tests.suites.trainer_battery
 --job CASE --out DIR [--phase K]`` (Lightning's DDP launcher re-executes that command line for
-rank 1); the job writes ``DIR/{tag}.rank{r}.json``.
+rank 1), through :func:`harness.jobs.run_jobs` (a session of its own, killed as a group at the
+cap); the job writes ``DIR/{tag}.rank{r}.json``, and its first process, the session's leader,
+``DIR/phase{K}.pgid``: the process group in which the runner looks for ranks left behind.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ import platform
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -53,9 +53,10 @@ from examples.vlm import (
     SMALL_VLM,  # the example VLM at the tests' size
     ToyVLM,
 )
+from harness.jobs import run_jobs
 from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 
-ROOT = Path(__file__).resolve().parents[1]
+MODULE = "tests.suites.trainer_battery"
 SEQ_LEN = 128
 BAD_INDEX = 17  # the sample the bad-input cases break
 ORPHAN_GRACE_S = 15.0
@@ -760,26 +761,29 @@ def _kill_group(pgid: int) -> None:
 
 
 def _run_phase(case: Case, out: Path, phase: int, deadline: float) -> tuple[str, int | None]:
-    """Runs one job process; returns ("ok"|"hang"|"orphan", returncode)."""
-    cmd = [sys.executable, "-m", "benchmarks.trainer_battery", "--job", case.name]
-    cmd += ["--out", str(out), "--phase", str(phase)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    with open(out / f"phase{phase}.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            proc.wait()
-            return "hang", None
+    """Runs one job (``harness.jobs``: its own session, killed as a group at the deadline) with
+    its output in ``phase{K}.log``; returns ("ok"|"hang"|"orphan", returncode)."""
+    name = f"{case.name}.phase{phase}"
+    args = ("--job", case.name, "--out", str(out), "--phase", str(phase))
+    job = run_jobs(
+        {name: (MODULE, *args)},
+        parallel=1,
+        timeout=max(deadline - time.monotonic(), 1.0),
+        envs={name: {"PYTHONUNBUFFERED": "1"}},
+    )[name]
+    (out / f"phase{phase}.log").write_text(job.stdout + job.stderr)
+    if job.timed_out:
+        return "hang", None
+    pgid_file = out / f"phase{phase}.pgid"  # absent: the job ended before it could start ranks
+    pgid = int(pgid_file.read_text()) if pgid_file.exists() else None
+    if pgid is None:
+        return "ok", job.returncode
     grace = min(time.monotonic() + ORPHAN_GRACE_S, deadline)
-    while _alive_in_group(proc.pid) and time.monotonic() < grace:
+    while _alive_in_group(pgid) and time.monotonic() < grace:
         time.sleep(0.5)
-    left = _alive_in_group(proc.pid)
-    _kill_group(proc.pid)
-    return ("orphan" if left else "ok"), rc
+    left = _alive_in_group(pgid)
+    _kill_group(pgid)
+    return ("orphan" if left else "ok"), job.returncode
 
 
 def _load(out: Path) -> Records:
@@ -871,6 +875,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--phase", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.job:
+        if os.getpid() == os.getsid(0):  # the runner's job, not a rank Lightning started
+            (Path(args.out) / f"phase{args.phase}.pgid").write_text(str(os.getpgrp()))
         run_job(BY_NAME[args.job], Path(args.out), args.phase)
         return None
     if args.list:

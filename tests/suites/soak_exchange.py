@@ -35,14 +35,15 @@ within ``--exchange-timeout-s`` plus a grace period after the first rank failed;
 
 Commands (from the repository root, virtualenv active)::
 
-    python benchmarks/soak_exchange.py --ranks 2 --global-batches 5000 --micro-steps 4 \\
+    python -m tests.suites.soak_exchange --ranks 2 --global-batches 5000 --micro-steps 4 \\
         --mode overlap --sample-every 250 --json
-    python benchmarks/soak_exchange.py --ranks 2 --global-batches 5000 --micro-steps 4 \\
+    python -m tests.suites.soak_exchange --ranks 2 --global-batches 5000 --micro-steps 4 \\
         --mode sync --sample-every 250 --json
     # the same with large blocks mmapped (tells heap fragmentation from a leak)
-    python benchmarks/soak_exchange.py --global-batches 5000 --malloc-mmap-threshold 32768 --json
+    python -m tests.suites.soak_exchange --global-batches 5000 --malloc-mmap-threshold 32768 \\
+        --json
     # smoke run (seconds)
-    python benchmarks/soak_exchange.py --ranks 2 --global-batches 300 --warmup 50 \\
+    python -m tests.suites.soak_exchange --ranks 2 --global-batches 300 --warmup 50 \\
         --sample-every 50 --json
 
 The last line of stdout is one JSON object with ``--json``; stdout before it is rank 0's curve.
@@ -61,13 +62,10 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.ranks import run_ranks  # the spawn harness the tests use
 
