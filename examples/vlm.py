@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_vlmbalance import packed_attention, packed_cross_entropy
+from lightning_vlmbalance import encode_images, packed_attention, packed_cross_entropy
 from lightning_vlmbalance.attention import mark_pack_dynamic
 
 # the example VLM at the size the multi-process tests and the Trainer battery train (8-dim
@@ -209,9 +209,9 @@ class ToyVLM(L.LightningModule):
                 f"packs of {input_ids_T.numel()} tokens exceed"
                 f" `max_positions={self.cfg.max_positions}`"
             )
-        image_ID = self.vision(
-            batch["pixel_values"], batch["image_cu_seqlens"], batch["image_max_seqlen"]
-        )
+        # the encoder call; with encoder balancing (``RebalanceConfig(encoder=True)``) this rank
+        # encodes its planned images and the pack's embeddings come back from where they ran
+        image_ID = encode_images(self.vision, batch)
         x_TD = self.llm.embed(input_ids_T) + self.llm.pos(position_ids_T)
         # under autocast the projector runs in bf16 while the embeddings stay float32
         image_ID = self.projector(image_ID).to(x_TD.dtype)

@@ -22,8 +22,10 @@ Public API (everything else is private):
   names), their options :class:`RebalanceConfig`, the loader :class:`RebalancingLoader` (users
   may wrap their loader in it) and the error it raises, :class:`ExchangeError`; the core:
   :class:`CostModel`, :func:`plan_rebalance`, :class:`RebalancePlan` (see
-  ``docs/rebalancing.md``). The component a strategy owns, ``Rebalancer``, is in
-  ``lightning_vlmbalance.strategy``; the data-parallel world in ``lightning_vlmbalance.parallel``.
+  ``docs/rebalancing.md``); the encoder call of a model under encoder balancing,
+  :func:`encode_images` (``RebalanceConfig(encoder=True)``, ``docs/two_level_balancing.md``).
+  The component a strategy owns, ``Rebalancer``, is in ``lightning_vlmbalance.strategy``; the
+  data-parallel world in ``lightning_vlmbalance.parallel``.
 
 Length tables (``read_length_csv`` for the shared CSVs, ``synthetic_length_table``) and the
 synthetic dataset the examples and tests train on are in ``lightning_vlmbalance.synthetic``.
@@ -38,6 +40,7 @@ from lightning_vlmbalance.balance import (
     RebalancingLoader,
     plan_rebalance,
 )
+from lightning_vlmbalance.balance.encoder import encode_images
 from lightning_vlmbalance.callbacks import ActivationOffload, CompiledMoERouting, StragglerMonitor
 from lightning_vlmbalance.loss import PackedLoss, packed_cross_entropy
 from lightning_vlmbalance.offload import ActivationOffloader, offload_activations
@@ -81,6 +84,7 @@ __all__ = [
     "VLMBalanceStrategy",
     "attention_backend",
     "build_epoch_plan",
+    "encode_images",
     "flash_attn_available",
     "offload_activations",
     "pack_greedy",

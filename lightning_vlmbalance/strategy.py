@@ -27,6 +27,9 @@ batch: its plan and exchange are done by then):
 ``balance/planned_waste_frac``      the planner's predicted waste after rebalancing
 ``balance/exchange_ms``             time of the exchange itself (in the thread if overlapped)
 ``balance/exposed_exchange_ms``     time the training loop waited for the global batch
+``balance/encoder_moved_images``    with ``encoder=True``: images encoded on another rank than
+                                    their pack's, over the last global batch (all ranks)
+``balance/encoder_bytes``           their pixel bytes (all ranks)
 ``balance/source_balanced``         1 when the sampler balanced the batch at the source
                                     (``PackingSampler(balance=...)``: nothing moves); absent
                                     when packs are exchanged
@@ -71,6 +74,7 @@ log = logging.getLogger(__name__)
 
 _STRATEGY_NAMES = ("vlmbalance", "ddp_vlmbalance")
 _BALANCE_METRICS = ("moved_packs", "planned_waste_frac", "exchange_ms", "exposed_exchange_ms")
+_ENCODER_METRICS = ("encoder_moved_images", "encoder_bytes")
 
 
 class Rebalancer:
@@ -106,6 +110,7 @@ class Rebalancer:
         self._exchange_group: dist.ProcessGroup | None = None
         self._payload_group: dist.ProcessGroup | None = None
         self._group_ranks: list[int] | None = None  # global ranks of the exchange group
+        self._encoder_group: dist.ProcessGroup | None = None  # the embeddings' return
         self.source_balanced = False  # the training loader's sampler balances at the source
         self._trainer: Any = None
         self._sigterm_pending = False
@@ -143,8 +148,20 @@ class Rebalancer:
                 if gpu
                 else None
             )
+            # the image embeddings return in the training step, on a group of their own (the
+            # exchange thread may be in a collective on ``group`` meanwhile)
+            encoder = (
+                dist.new_group(
+                    ranks=None if whole else ranks,
+                    backend="nccl" if gpu else "gloo",
+                    timeout=timeout,
+                )
+                if self.config.encoder
+                else None
+            )
             if me in ranks:
                 self._exchange_group, self._payload_group = group, payload
+                self._encoder_group = encoder
                 self._group_ranks = None if whole else [int(r) for r in ranks]
 
     def setup(self, trainer: Any) -> None:
@@ -214,6 +231,7 @@ class Rebalancer:
             # the training loop's position: a loader that cannot resume starts again from its
             # first batch, while the loop counts on from the checkpoint's
             epoch_position=lambda: seam.micro_batch_index(trainer),
+            encoder_group=self._encoder_group,
         )
         return self.loader
 
@@ -231,6 +249,11 @@ class Rebalancer:
             )
         if self.source_balanced:  # which path ran (absent: the pack exchange)
             module.log("balance/source_balanced", 1.0, rank_zero_only=True, batch_size=1)
+        if self.config.encoder:
+            for key in _ENCODER_METRICS:
+                module.log(
+                    f"balance/{key}", float(stats.get(key, 0.0)), rank_zero_only=True, batch_size=1
+                )
 
     # -- preemption (SIGTERM) -----------------------------------------------------------------
     # Lightning's own SIGTERM handler runs a broadcast on the world group inside the signal
@@ -291,13 +314,13 @@ class Rebalancer:
             # stop the pass (and its collectives) before the exchange group goes away
             self.loader.close()
         self.loader = None
-        for group in (self._payload_group, self._exchange_group):
+        for group in (self._encoder_group, self._payload_group, self._exchange_group):
             if group is not None and dist.is_initialized():
                 try:
                     dist.destroy_process_group(group)
                 except (RuntimeError, ValueError) as err:  # pragma: no cover - best effort
                     log.debug("could not destroy an exchange group: %s", err)
-        self._exchange_group = self._payload_group = None
+        self._exchange_group = self._payload_group = self._encoder_group = None
         self._group_ranks = None
 
 
@@ -403,10 +426,11 @@ class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):
     """DDP with overlapped cross-rank rebalancing of packs (see the module docstring).
 
     Args:
-        mode, objective, tolerance, exchange_timeout_s: the fields of
+        mode, objective, tolerance, exchange_timeout_s, encoder: the fields of
             :class:`~lightning_vlmbalance.balance.config.RebalanceConfig` (``"overlap"``,
-            ``"auto"``, ``0.0``, ``300.0`` by default), or
-        config: a ``RebalanceConfig`` instead of those four.
+            ``"auto"``, ``0.0``, ``300.0``, ``False`` by default; ``encoder=True`` also
+            balances the vision encoder image by image), or
+        config: a ``RebalanceConfig`` instead of those five.
         cost_model: a :class:`CostModel` or a path to one saved as JSON (default: defaults).
         sigterm_every_micro_batch: keep Lightning's sync point (its SIGTERM-flag broadcast) at
             every micro-batch (then ranks also synchronise per micro-batch: ``"auto"`` means
@@ -434,6 +458,7 @@ class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):
         objective: str | None = None,
         tolerance: float | None = None,
         exchange_timeout_s: float | None = None,
+        encoder: bool | None = None,
         config: RebalanceConfig | None = None,
         cost_model: CostModel | str | None = None,
         sigterm_every_micro_batch: bool = False,
@@ -447,6 +472,7 @@ class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):
             objective=objective,
             tolerance=tolerance,
             exchange_timeout_s=exchange_timeout_s,
+            encoder=encoder,
         )
         super().__init__(**kwargs)
         self.rebalancer = Rebalancer(
@@ -523,6 +549,7 @@ class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
         objective: str | None = None,
         tolerance: float | None = None,
         exchange_timeout_s: float | None = None,
+        encoder: bool | None = None,
         config: RebalanceConfig | None = None,
         cost_model: CostModel | str | None = None,
         gpu_payloads: bool = True,
@@ -538,6 +565,7 @@ class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
             objective=objective,
             tolerance=tolerance,
             exchange_timeout_s=exchange_timeout_s,
+            encoder=encoder,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,

@@ -38,6 +38,9 @@ class RebalanceConfig:
             up to move fewer packs.
         exchange_timeout_s: deadline of every wait for a peer or for the background thread; a
             failed or dead peer becomes an error on every rank within it.
+        encoder: also balance the vision encoder image by image at every micro-step (the
+            packs stay where they are: see ``docs/two_level_balancing.md``); the model encodes
+            through :func:`~lightning_vlmbalance.balance.encoder.encode_images`.
 
     Raises:
         ValueError: for an unknown mode or objective, a negative tolerance or a non-positive
@@ -53,6 +56,7 @@ class RebalanceConfig:
     objective: Literal["auto"] | Objective = "auto"
     tolerance: float = 0.0
     exchange_timeout_s: float = 300.0
+    encoder: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -218,6 +218,28 @@ class CostModel:
         pack, image_pack = (float(per_term[_ALL_TERMS.index(t)]) for t in _PER_PACK_TERMS)
         return terms[:, additive] @ per_term[additive], pack, image_pack
 
+    def llm_cost_ms(self, features: Mapping[str, Any]) -> np.ndarray:
+        """Language-model forward plus backward milliseconds of each pack, ``(N,) float64``:
+        what a pack costs wherever its images are encoded."""
+        predicted = self.predict(features)
+        return predicted["llm_fwd"] + predicted["llm_bwd"]
+
+    def image_cost_ms(self, image_tokens: Any) -> tuple[np.ndarray, float]:
+        """Vision forward plus backward milliseconds of each image encoded by itself (its
+        ``images``, ``image_tokens`` and ``image_sq_tokens`` terms), ``(N,) float64``, and the
+        encoder's per-call cost (the ``image_pack`` terms), which a rank pays once for all the
+        images it encodes: the encoder balancer's inputs."""
+        tokens = np.asarray(image_tokens, dtype=np.int64)
+        vision = ("vision_fwd", "vision_bwd")
+        per_call = sum(self.coefficients[p]["image_pack"] for p in vision)
+        per_image = sum(
+            self.coefficients[p]["images"]
+            + self.coefficients[p]["image_tokens"] * tokens
+            + self.coefficients[p]["image_sq_tokens"] * (tokens * tokens)
+            for p in vision
+        )
+        return np.asarray(per_image, dtype=np.float64).reshape(tokens.shape), float(per_call)
+
     def pack_cost_us(self, features: Mapping[str, Any]) -> np.ndarray:
         """:meth:`pack_cost_ms` rounded to integer microseconds: the planner's input."""
         return np.rint(self.pack_cost_ms(features) * 1000.0).astype(np.int64)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -46,7 +47,9 @@ import torch.distributed as dist
 
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from_meta
+from lightning_vlmbalance.balance.encoder import register_group, route_for
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, wait_pack_ready
+from lightning_vlmbalance.balance.images import plan_images
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import optimizer_steps, weigh_step
 from lightning_vlmbalance.packing.sampler import PackedDataLoader
@@ -193,6 +196,10 @@ class RebalancingLoader:
             also when the inner loader cannot resume and starts again from its first batch);
             the optimizer steps are grouped from there. Default: the inner loader's ``start``
             (0 if it has none).
+        encoder_group: with ``encoder=True``, the process group the image embeddings return on
+            in the training step (:func:`~lightning_vlmbalance.balance.encoder.encode_images`);
+            a group of its own in ``"overlap"`` mode, where this loader's thread runs
+            collectives on ``group`` meanwhile. Default: the world group.
 
     The loader is resumable (``state_dict`` / ``load_state_dict``, which Lightning checkpoints)
     exactly when the inner loader is a :class:`ResumablePackSource` (it must say where its pass
@@ -218,6 +225,7 @@ class RebalancingLoader:
         epoch_batches: Callable[[], float] | None = None,
         group_ranks: Sequence[int] | None = None,
         epoch_position: Callable[[], int] | None = None,
+        encoder_group: dist.ProcessGroup | None = None,
         **options: Any,
     ) -> None:
         if micro_steps < 1:
@@ -251,6 +259,17 @@ class RebalancingLoader:
         self.global_batches = 0
         self.moved_packs_total = 0
         self.received_bytes_total = 0  # tensor bytes of the packs this rank received
+        self.moved_images_total = 0  # images encoded on another rank than their pack's
+        self.encoder_bytes_total = 0  # pixel bytes this rank received to encode
+        self._encoder_group_name = f"rebalancing-loader-{id(self)}"
+        if self.config.encoder:
+            if self.config.mode == "overlap" and world_size > 1 and encoder_group is None:
+                raise ValueError(
+                    "`RebalancingLoader(encoder=True, mode='overlap')` needs an `encoder_group`"
+                    " of its own when world_size > 1: the embeddings return in the training"
+                    " step while this loader's thread runs collectives on `group`"
+                )
+            register_group(self._encoder_group_name, encoder_group)
         self._pass: _Pass | None = None  # the overlapped pass in progress
         self._pass_start: int | None = None  # inner position where this pass started
         self._yielded = 0
@@ -409,6 +428,8 @@ class RebalancingLoader:
         self.global_batches += 1
         self.moved_packs_total += int(stats.get("moved_packs", 0))
         self.received_bytes_total += int(stats.get("received_bytes", 0))
+        self.moved_images_total += int(stats.get("encoder_moved_images", 0))
+        self.encoder_bytes_total += int(stats.get("encoder_bytes", 0))
 
     # -- one global batch -------------------------------------------------------------------
 
@@ -451,20 +472,7 @@ class RebalancingLoader:
                 self._stream = torch.cuda.Stream(self.device)
             start = time.perf_counter()
             moves = [tuple(int(x) for x in mv) for mv in plan.moves]
-            g = self.group_ranks
-            if g is not None:  # point-to-point messages name global ranks
-                moves = [(p, g[src], g[dst]) for p, src, dst in moves]
-            received = exchange_packs(
-                mine,
-                moves,
-                rank=r if g is None else g[r],
-                group=self.group,
-                timeout_s=self.exchange_timeout_s,
-                payload_group=self.payload_group,
-                device=self.device,
-                stream=self._stream,
-                ready_events=events,
-            )
+            received = self._exchange(mine, moves, ready_events=events)
             for p, event in events.items():  # keyed by the batch object the loop will get
                 self._ready_events[id(received[p])] = event
             stats["exchange_ms"] = (time.perf_counter() - start) * 1e3
@@ -477,8 +485,132 @@ class RebalancingLoader:
             order = [
                 mine[p] if p in mine else received[p] for p in plan.assignment[r, :, 0].tolist()
             ]
+        if self.config.encoder and W > 1:
+            placed = (
+                plan.assignment[:, :, 0]
+                if plan is not None
+                else np.arange(W * G, dtype=np.int64).reshape(W, G)
+            )
+            stats.update(self._balance_encoder(batches, order, features, placed))
         weigh_step(order, global_loss_tokens=global_tokens, ranks=W, micro_steps=self.micro_steps)
         return order, stats
+
+    def _balance_encoder(
+        self, batches: list[Any], order: list[Any], features: np.ndarray, placed: np.ndarray
+    ) -> dict[str, float]:
+        """Plans, for every micro-step of the global batch, which rank encodes which image, sends
+        the pixels there, and leaves each batch of ``order`` its ``encoder_route`` and
+        ``encoder_pixels`` (see :mod:`~lightning_vlmbalance.balance.encoder`).
+
+        ``placed[r, m]`` is the global pack (origin rank times ``G`` plus its micro-step) rank
+        ``r`` computes at micro-step ``m``; ``features`` are every pack's, gathered."""
+        W, G = placed.shape
+        r = self.rank
+        start = time.perf_counter()
+        sizes = self._gather_image_sizes(batches, features)  # (W * G, K), rows per image
+        counts = features[:, FEATURES.index("images")]
+        per_call: float
+        image_ms, per_call = self.cost_model.image_cost_ms(sizes)
+        llm_ms = self.cost_model.llm_cost_ms({n: features[:, i] for i, n in enumerate(FEATURES)})
+        K = sizes.shape[1]
+        mine: dict[int, Any] = {}
+        moves: list[tuple[int, int, int]] = []
+        foreign: list[list[tuple[int, int, int]]] = []  # per micro-step: (key, owner, rows)
+        moved = moved_rows = 0
+        for m in range(G):
+            packs = placed[:, m]
+            home = np.repeat(np.arange(W), counts[packs])
+            index = np.concatenate([np.arange(counts[p]) for p in packs]).astype(np.int64)
+            rows = np.concatenate([sizes[p, : counts[p]] for p in packs]).astype(np.int64)
+            cost = np.concatenate([image_ms[p, : counts[p]] for p in packs])
+            plan = plan_images(llm_ms[packs] + per_call, cost, home)
+            moved += plan.moved_images
+            moved_rows += int(rows[plan.encoder != home].sum())
+            own = home == r
+            route = route_for(
+                group=self._encoder_group_name,
+                rank=r,
+                world=W,
+                own_sizes=rows[own].tolist(),
+                own_encoder=plan.encoder[own].tolist(),
+                foreign=[
+                    (int(h), int(n))
+                    for h, n, e in zip(home, rows, plan.encoder)
+                    if e == r and h != r
+                ],
+            )
+            batch = order[m]
+            _check_image_fields(batch)
+            batch["encoder_route"] = route
+            keys = []
+            cu = batch["image_cu_seqlens"].tolist()
+            for h, i, e in zip(home, index, plan.encoder):
+                if e == h:
+                    continue
+                key = (m * W + int(h)) * K + int(i)
+                moves.append((key, int(h), int(e)))
+                if h == r:
+                    mine[key] = {"pixels": batch["pixel_values"][cu[i] : cu[i + 1]]}
+                elif e == r:
+                    keys.append(key)
+            foreign.append(keys)
+        received = self._exchange(mine, moves)
+        if self._stream is not None:  # the pixels are complete before the step reads them
+            self._stream.synchronize()
+        for m, keys in enumerate(foreign):
+            pixels = order[m]["pixel_values"]
+            got = [received[k]["pixels"] for k in keys]
+            order[m]["encoder_pixels"] = (
+                torch.cat(got) if got else pixels.new_empty((0, *pixels.shape[1:]))
+            )
+        row = order[0]["pixel_values"]  # every rank's rows have this shape and dtype
+        row_bytes = math.prod(row.shape[1:]) * row.element_size()
+        return {
+            "encoder_moved_images": float(moved),
+            "encoder_bytes": float(moved_rows * row_bytes),  # all ranks'; no collective
+            "encoder_plan_ms": (time.perf_counter() - start) * 1e3,
+        }
+
+    def _exchange(
+        self,
+        payloads: dict[int, Any],
+        moves: list[tuple[int, int, int]],
+        ready_events: dict[int, Any] | None = None,
+    ) -> dict[int, Any]:
+        """:func:`exchange_packs` of ``moves`` (ranks of ``group``) on this loader's groups,
+        device and stream."""
+        g = self.group_ranks
+        if g is not None:  # point-to-point messages name global ranks
+            moves = [(p, g[src], g[dst]) for p, src, dst in moves]
+        return exchange_packs(
+            payloads,
+            moves,
+            rank=self.rank if g is None else g[self.rank],
+            group=self.group,
+            timeout_s=self.exchange_timeout_s,
+            payload_group=self.payload_group,
+            device=self.device,
+            stream=self._stream,
+            ready_events=ready_events,
+        )
+
+    def _gather_image_sizes(self, batches: list[Any], features: np.ndarray) -> np.ndarray:
+        """Every pack's image sizes (rows per image), ``(W * G, K)`` zero-padded, ``K`` the most
+        images in a pack of the global batch (known from the gathered features)."""
+        K = max(1, int(features[:, FEATURES.index("images")].max()))
+        local = torch.zeros((len(batches), K), dtype=torch.int64)
+        for k, b in enumerate(batches):
+            sizes = [int(x) for x in b["meta"]["image_sizes"]]
+            local[k, : len(sizes)] = torch.tensor(sizes, dtype=torch.int64)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(gathered, local, group=self.group)
+        except RuntimeError as err:
+            raise ExchangeError(
+                f"rank {self.rank}: gathering the image sizes of a global batch failed (a peer"
+                f" died or stopped?): {err}"
+            ) from err
+        return torch.cat(gathered).numpy()
 
 
 class _ResumableRebalancingLoader(RebalancingLoader):
@@ -495,6 +627,17 @@ class _ResumableRebalancingLoader(RebalancingLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]
+
+
+def _check_image_fields(batch: dict[str, Any]) -> None:
+    """Encoder balancing moves ``pixel_values`` rows only: a per-image field it does not know
+    would stay with the pack while its image is encoded elsewhere, so it is refused by name."""
+    fields = batch.get("image_fields") or {}
+    if fields:
+        raise ValueError(
+            f"encoder balancing moves `pixel_values` rows (one per image token); the batch also"
+            f" has per-image fields {sorted(fields)} it does not know how to move with them"
+        )
 
 
 def _nbytes(obj: Any) -> int:

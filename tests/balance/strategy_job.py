@@ -259,11 +259,14 @@ def _dtensor_params(module: torch.nn.Module) -> int:
 def _strategy(args: argparse.Namespace) -> Any:
     timeout = args.exchange_timeout_s
     if args.strategy == "vlmbalance":
-        return vb.VLMBalanceStrategy(mode=args.mode, exchange_timeout_s=timeout)
+        return vb.VLMBalanceStrategy(
+            mode=args.mode, exchange_timeout_s=timeout, encoder=args.encoder
+        )
     if args.strategy == "fsdp_vlmbalance":
         return vb.FSDPVLMBalanceStrategy(
             mode=args.mode,
             exchange_timeout_s=timeout,
+            encoder=args.encoder,
             gradient_sync_every_micro_batch=not args.no_sync_accumulation,
             tensor_parallel_size=args.tp,
         )
@@ -301,6 +304,7 @@ def main() -> None:
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--dense", action="store_true", help="MLPs instead of the MoE feed-forward")
     p.add_argument("--balance", action="store_true", help="PackingSampler(balance=True)")
+    p.add_argument("--encoder", action="store_true", help="encoder balancing (encoder=True)")
     p.add_argument("--balance-exact", action="store_true", help="... and exact=True")
     p.add_argument("--balance-objective", default="auto", help="... and this objective")
     p.add_argument(

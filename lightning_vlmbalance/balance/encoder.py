@@ -1,0 +1,207 @@
+"""Encoder balancing at run time: each rank encodes the images planned for it, and the
+embeddings return to the rank whose pack holds them, with autograd through the return.
+
+The plan (:mod:`lightning_vlmbalance.balance.images`) and the pixel transfer run off the step
+path, in the :class:`~lightning_vlmbalance.balance.loader.RebalancingLoader`'s planning (its
+background thread in ``"overlap"`` mode), which leaves on each packed batch:
+
+``encoder_route``   an :class:`ImageRoute`: which of the pack's images this rank encodes, which
+                    it sent to which rank, and the sizes of the images it received
+``encoder_pixels``  the received images' pixel rows (``Tensor[J, *feature]``), in the order of
+                    the route (by sending rank, then that rank's image order)
+
+In the model, :func:`encode_images` replaces the encoder call: it runs the encoder once on this
+rank's set (its own kept images, then the received ones, each image attending only within
+itself through ``image_cu_seqlens``), sends the received images' embeddings back in one
+``all_to_all`` on the route's group, and returns the pack's image embeddings in the pack's own
+image order, as the encoder would have returned them at home. The backward of the return sends
+the embeddings' gradients to the ranks that encoded them. Every rank calls the encoder at every
+micro-batch, with or without images (its parameters take part in the gradient reduction, and
+sharded parameters are gathered by every rank).
+
+The gradients are the same: an image's encoder gradient is computed on another rank, and the
+data-parallel reduction sums over ranks (the order of a floating-point sum changes, nothing
+else). Without a route (balancing off) :func:`encode_images` is the plain encoder call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ImageRoute", "encode_images", "register_group", "route_for"]
+
+# the process groups routes name: set by the strategy (or the user) before training
+_GROUPS: dict[str, dist.ProcessGroup | None] = {}
+
+
+def register_group(name: str, group: dist.ProcessGroup | None) -> None:
+    """Names the process group the embeddings of routes carrying ``name`` return on (``None``:
+    the world). A dedicated group: the return runs in the training step, while the
+    rebalancing thread may run collectives on its own group."""
+    _GROUPS[name] = group
+
+
+@dataclass
+class ImageRoute:
+    """Where the images of one packed batch are encoded (plain lists and ints: Lightning's
+    batch transfer leaves it as it is).
+
+    Attributes:
+        group: the registered name of the return's process group.
+        rank: this rank in that group; ``world``: its size.
+        own_sizes: rows (image tokens) of each of the pack's own images, in pack order.
+        keep: the own images encoded here, in pack order.
+        send: per rank of the group, the own images it encodes (empty for this rank).
+        recv_sizes: per rank of the group, the rows of each image received from it.
+    """
+
+    group: str
+    rank: int
+    world: int
+    own_sizes: list[int]
+    keep: list[int]
+    send: list[list[int]]
+    recv_sizes: list[list[int]]
+
+    @property
+    def moved_images(self) -> int:
+        """Own images encoded elsewhere."""
+        return sum(len(s) for s in self.send)
+
+    @property
+    def received_images(self) -> int:
+        return sum(len(s) for s in self.recv_sizes)
+
+
+class _ReturnEmbeddings(torch.autograd.Function):
+    """``all_to_all`` of embedding rows; the backward sends the gradients the other way."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        rows: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        send_splits, recv_splits = ctx.splits
+        out = grad.new_empty((sum(send_splits), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def encode_images(
+    encoder: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], batch: dict[str, Any]
+) -> torch.Tensor:
+    """The pack's image embeddings, one row per image token in the pack's image order.
+
+    Args:
+        encoder: called as ``encoder(pixel_values, image_cu_seqlens, image_max_seqlen)`` on
+            rows of whole images (attention within each image), returning one embedding row
+            per image token (per row of ``pixel_values``).
+        batch: a packed batch; with an ``encoder_route`` (encoder balancing on) the encoder
+            runs on this rank's planned set and the embeddings travel back.
+
+    Raises:
+        ValueError: if the encoder's output does not have one row per input row (naming the
+            encoder and both counts).
+    """
+    pixels = batch["pixel_values"]
+    route: ImageRoute | None = batch.get("encoder_route")
+    if route is None:
+        out = encoder(pixels, batch["image_cu_seqlens"], batch["image_max_seqlen"])
+        _check_rows(encoder, out, int(pixels.shape[0]), int(pixels.shape[0]))
+        return out
+    sizes = route.own_sizes
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    if offsets[-1] != int(pixels.shape[0]):
+        raise ValueError(
+            f"encoder_route: the pack's images have {offsets[-1]} rows but pixel_values has"
+            f" {int(pixels.shape[0])}"
+        )
+    received = batch["encoder_pixels"]
+    foreign_sizes = [s for per_rank in route.recv_sizes for s in per_rank]
+    local_sizes = [sizes[i] for i in route.keep] + foreign_sizes
+    pieces = [pixels[offsets[i] : offsets[i + 1]] for i in route.keep]
+    local = torch.cat([*pieces, received.to(pixels.dtype)]) if pieces else received
+    cu = torch.zeros(len(local_sizes) + 1, dtype=torch.int32)
+    if local_sizes:
+        cu[1:] = torch.cumsum(torch.tensor(local_sizes, dtype=torch.int32), 0)
+    out = encoder(local, cu.to(pixels.device), max(local_sizes, default=0))
+    _check_rows(encoder, out, sum(local_sizes), int(local.shape[0]))
+    kept_rows = sum(sizes[i] for i in route.keep)
+    send_back = [sum(per_rank) for per_rank in route.recv_sizes]  # to each image's owner
+    expect = [sum(sizes[i] for i in per_rank) for per_rank in route.send]  # from each encoder
+    returned = _ReturnEmbeddings.apply(out[kept_rows:], send_back, expect, _GROUPS.get(route.group))
+    # the pack's own order: kept images from ``out``, the others from what came back
+    by_image: list[torch.Tensor | None] = [None] * len(sizes)
+    at = 0
+    for i in route.keep:
+        by_image[i] = out[at : at + sizes[i]]
+        at += sizes[i]
+    at = 0
+    for per_rank in route.send:
+        for i in per_rank:
+            by_image[i] = returned[at : at + sizes[i]]
+            at += sizes[i]
+    # ``returned`` always joins the result, even with no row: its backward (a collective that
+    # every rank of the group must enter) then runs on every rank, also where no image went out
+    return torch.cat([*by_image, returned[:0]])  # type: ignore[list-item]
+
+
+def _check_rows(encoder: Any, out: torch.Tensor, expected: int, given: int) -> None:
+    if int(out.shape[0]) != expected:
+        raise ValueError(
+            f"the vision encoder {type(encoder).__name__} returned {int(out.shape[0])} rows for"
+            f" {given} input rows of {expected} image tokens: encoder balancing needs one output"
+            " row per image token, in input order"
+        )
+
+
+def route_for(
+    *,
+    group: str,
+    rank: int,
+    world: int,
+    own_sizes: Sequence[int],
+    own_encoder: Sequence[int],
+    foreign: Sequence[tuple[int, int]],
+) -> ImageRoute:
+    """This rank's :class:`ImageRoute` for one micro-step, from the plan.
+
+    Args:
+        own_sizes: rows of each of this rank's pack's images.
+        own_encoder: the rank that encodes each of them.
+        foreign: ``(owner rank, rows)`` of every image this rank encodes for another, in the
+            order they are received (by owner rank, then the owner's image order).
+    """
+    send: list[list[int]] = [[] for _ in range(world)]
+    keep: list[int] = []
+    for i, e in enumerate(own_encoder):
+        (keep if e == rank else send[e]).append(i)
+    recv: list[list[int]] = [[] for _ in range(world)]
+    for owner, rows in foreign:
+        recv[owner].append(int(rows))
+    return ImageRoute(
+        group=group,
+        rank=rank,
+        world=world,
+        own_sizes=[int(s) for s in own_sizes],
+        keep=keep,
+        send=send,
+        recv_sizes=recv,
+    )

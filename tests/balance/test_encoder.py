@@ -1,0 +1,271 @@
+"""Encoder balancing: the image planner, the embeddings' return on real gloo ranks, and real
+2- and 4-process fits whose parameters equal the same runs without it."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness.jobs import check, result, run_jobs, selected
+from harness.ranks import run_ranks
+from lightning_vlmbalance.balance.encoder import encode_images, register_group, route_for
+from lightning_vlmbalance.balance.images import image_bound, plan_images
+from lightning_vlmbalance.balance.loader import _check_image_fields
+from tests.balance.fits import fit_result, job, max_rel_diff
+
+# -- the planner ------------------------------------------------------------------------------
+
+
+def _brute_force_max(base: np.ndarray, cost: np.ndarray) -> float:
+    R = len(base)
+    best = float("inf")
+    for assign in itertools.product(range(R), repeat=len(cost)):
+        load = base + np.bincount(np.array(assign, dtype=np.int64), weights=cost, minlength=R)
+        best = min(best, float(load.max()))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    base=st.lists(st.integers(0, 50), min_size=2, max_size=3),
+    cost=st.lists(st.sampled_from([0, 7, 12, 20, 33]), min_size=0, max_size=6),
+    data=st.data(),
+)
+def test_the_plan_is_between_the_bound_and_home_and_never_worse_than_the_greedy(
+    base, cost, data
+) -> None:
+    """Every image gets one encoding rank; the largest load is at least the lower bound and the
+    optimum, at most the largest load with every image at home; on these small cases it is
+    within one largest image of the optimum (best fit on a bisected load)."""
+    R = len(base)
+    home = data.draw(st.lists(st.integers(0, R - 1), min_size=len(cost), max_size=len(cost)))
+    b, c, h = (np.array(x, dtype=np.float64) for x in (base, cost, home))
+    plan = plan_images(b, c, h.astype(np.int64))
+    assert plan.encoder.shape == (len(cost),) and set(plan.encoder.tolist()) <= set(range(R))
+    load = b + np.bincount(plan.encoder, weights=c, minlength=R)
+    assert np.allclose(load, plan.load)
+    optimum = _brute_force_max(b, c)
+    assert image_bound(b, c) <= optimum + 1e-9 and plan.bound <= optimum + 1e-9
+    assert optimum - 1e-9 <= load.max() <= plan.load_home.max() + 1e-9
+    assert load.max() <= optimum + max(cost, default=0) + 1e-9
+
+
+def test_images_stay_home_where_moving_gains_nothing() -> None:
+    plan = plan_images(np.array([10.0, 10.0]), np.array([5.0, 5.0]), np.array([0, 1]))
+    assert plan.moved_images == 0 and plan.waste == 0.0
+    # one heavy rank: its second image moves to the idle one
+    plan = plan_images(np.array([10.0, 10.0]), np.array([5.0, 5.0]), np.array([0, 0]))
+    assert plan.moved_images == 1 and plan.load.tolist() == [15.0, 15.0]
+
+
+def test_same_sizes_reach_the_pigeonhole_bound() -> None:
+    """22 equal images on 8 equal ranks: some rank takes 3 (the bound says so), none takes 4."""
+    base = np.full(8, 100.0)
+    plan = plan_images(base, np.full(22, 10.0), np.zeros(22, dtype=np.int64))
+    assert plan.load.max() == plan.bound == 130.0
+    assert plan.load.sum() == 8 * 100.0 + 22 * 10.0
+
+
+def test_bad_planner_input_is_named() -> None:
+    with pytest.raises(ValueError, match="home rank is outside"):
+        plan_images(np.zeros(2), np.ones(1), np.array([2]))
+    with pytest.raises(ValueError, match="`cost` must be finite and >= 0"):
+        plan_images(np.zeros(2), np.array([-1.0]), np.array([0]))
+    with pytest.raises(ValueError, match="one entry per image"):
+        plan_images(np.zeros(2), np.ones(2), np.array([0]))
+
+
+# -- the return of the embeddings on real gloo ranks ---------------------------------------
+
+FEATURE = 3
+
+
+class _Encoder(torch.nn.Module):
+    """A linear map, then each image's rows minus their mean (attention-like: within each image
+    only, through ``cu_seqlens``), so a wrong image boundary changes the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(FEATURE, 4, dtype=torch.float64)
+
+    def forward(self, pixels: torch.Tensor, cu: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        x = self.proj(pixels)
+        bounds = cu.tolist()
+        parts = [x[a:b] - x[a:b].mean(0, keepdim=True) for a, b in itertools.pairwise(bounds)]
+        return torch.cat([*parts, x[:0]])
+
+
+class _Wrong(_Encoder):
+    def forward(self, pixels: torch.Tensor, cu: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        return super().forward(pixels, cu, max_seqlen)[1:]
+
+
+def _pack(sizes: list[int], seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(sum(sizes), FEATURE, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0, *np.cumsum(sizes).tolist()], dtype=torch.int32)
+    return {
+        "pixel_values": pixels,
+        "image_cu_seqlens": cu,
+        "image_max_seqlen": max(sizes, default=0),
+    }
+
+
+# every rank's images (rows each), and which rank encodes each: rank 2 has no image at all,
+# rank 1 keeps none of its own
+SIZES = {0: [4, 2, 3], 1: [5, 1], 2: []}
+PLAN = {0: [0, 1, 2], 1: [0, 2], 2: []}
+
+
+def _route_job(rank: int, world: int, encoder_cls: type) -> dict:
+    register_group("test", None)
+    encoder = encoder_cls()
+    batch = _pack(SIZES[rank], seed=rank)
+    foreign, pixels = [], []
+    for owner in range(world):  # what this rank encodes for others, in the route's order
+        other = _pack(SIZES[owner], seed=owner)
+        cu = other["image_cu_seqlens"].tolist()
+        for i, e in enumerate(PLAN[owner]):
+            if e == rank and owner != rank:
+                foreign.append((owner, SIZES[owner][i]))
+                pixels.append(other["pixel_values"][cu[i] : cu[i + 1]])
+    batch["encoder_route"] = route_for(
+        group="test",
+        rank=rank,
+        world=world,
+        own_sizes=SIZES[rank],
+        own_encoder=PLAN[rank],
+        foreign=foreign,
+    )
+    batch["encoder_pixels"] = torch.cat([*pixels, torch.empty(0, FEATURE, dtype=torch.float64)])
+    out = encode_images(encoder, batch)
+    # the same loss at home: this rank's own images through its own encoder copy
+    home = encode_images(encoder_cls(), _pack(SIZES[rank], seed=rank))
+    weights = torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape)
+    (out * weights).sum().backward()
+    grads = [p.grad.clone() for p in encoder.parameters()]
+    for g in grads:  # the data-parallel sum
+        torch.distributed.all_reduce(g)
+    return {
+        "same_rows": bool(torch.allclose(out, home, rtol=0, atol=1e-12)),
+        "grads": [g.tolist() for g in grads],
+    }
+
+
+def _home_grads() -> list[np.ndarray]:
+    total = None
+    for rank, sizes in SIZES.items():
+        encoder = _Encoder()
+        out = encoder(**_as_call(_pack(sizes, seed=rank)))
+        weights = torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape)
+        (out * weights).sum().backward()
+        grads = [p.grad.numpy().copy() for p in encoder.parameters()]
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    return total  # type: ignore[return-value]
+
+
+def _as_call(batch: dict) -> dict:
+    return {
+        "pixels": batch["pixel_values"],
+        "cu": batch["image_cu_seqlens"],
+        "max_seqlen": batch["image_max_seqlen"],
+    }
+
+
+def test_embeddings_come_back_in_pack_order_and_gradients_sum_as_at_home() -> None:
+    """3 gloo ranks: images encoded elsewhere come back to their pack in its order (the same
+    rows as encoding at home); a rank without images and a rank that keeps none take part;
+    the encoder's gradient summed over ranks is the one of encoding every image at home."""
+    results = run_ranks(_route_job, 3, _Encoder, timeout=120, start_method="forkserver")
+    assert all(status == "ok" for status, _ in results.values()), results
+    assert all(r["same_rows"] for _, r in results.values())
+    expected = _home_grads()
+    for _, r in results.values():
+        for got, want in zip(r["grads"], expected):
+            np.testing.assert_allclose(np.array(got), want, rtol=1e-12, atol=1e-12)
+
+
+def test_an_encoder_with_other_row_counts_is_named() -> None:
+    results = run_ranks(_route_job, 3, _Wrong, timeout=120, start_method="forkserver")
+    errors = [detail for status, detail in results.values() if status == "error"]
+    assert errors and all("_Wrong returned" in e and "image tokens" in e for e in errors), results
+
+
+def test_a_per_image_field_the_balancer_does_not_know_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"per-image fields \['image_grid_thw'\]"):
+        _check_image_fields({"image_fields": {"image_grid_thw": torch.zeros(1, 3)}})
+    _check_image_fields({"image_fields": {}})  # none: nothing to refuse
+
+
+# -- real fits: the same parameters as without encoder balancing ------------------------------
+
+SHORT = ("--max-steps", "4", "--samples", "240")
+
+
+def _args(strategy: str, accumulate: int, *extra: str, devices: int = 2) -> tuple[str, ...]:
+    return (
+        *("--strategy", strategy, "--accumulate", str(accumulate), "--devices", str(devices)),
+        *SHORT,
+        *extra,
+    )
+
+
+FITS = {
+    # baselines: no encoder balancing (plain DDP / FSDP2: the same math as every mode)
+    "ddp_ga3": _args("ddp", 3),
+    "ddp_ga1": _args("ddp", 1),
+    "ddp4_ga3": _args("ddp", 3, devices=4),
+    "ddp4_ga1": _args("ddp", 1, devices=4),
+    "source_ga3": _args("vlmbalance", 3, "--balance"),
+    "fsdp_ga3": _args("fsdp", 3),
+    # encoder balancing, every mode
+    "off_ga3": _args("vlmbalance", 3, "--mode", "off", "--encoder"),
+    "sync_ga3": _args("vlmbalance", 3, "--mode", "sync", "--encoder"),
+    "overlap_ga3": _args("vlmbalance", 3, "--mode", "overlap", "--encoder"),
+    "overlap_ga1": _args("vlmbalance", 1, "--mode", "overlap", "--encoder"),
+    "overlap4_ga3": _args("vlmbalance", 3, "--encoder", devices=4),
+    "overlap4_ga1": _args("vlmbalance", 1, "--encoder", devices=4),
+    "source_encoder_ga3": _args("vlmbalance", 3, "--balance", "--encoder"),
+    "fsdp_encoder_ga3": _args("fsdp_vlmbalance", 3, "--encoder"),
+}
+PAIRS = [  # (with encoder balancing, its baseline)
+    ("off_ga3", "ddp_ga3"),
+    ("sync_ga3", "ddp_ga3"),
+    ("overlap_ga3", "ddp_ga3"),
+    ("overlap_ga1", "ddp_ga1"),
+    ("overlap4_ga3", "ddp4_ga3"),
+    ("overlap4_ga1", "ddp4_ga1"),
+    ("source_encoder_ga3", "source_ga3"),
+    ("fsdp_encoder_ga3", "fsdp_ga3"),
+]
+
+
+@pytest.fixture(scope="module")
+def fits(request, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("encoder_fits")
+    procs = run_jobs(
+        {name: job(root / name, *a) for name, a in selected(request, FITS).items()},
+    )
+    return {"root": root, "procs": procs}
+
+
+@pytest.mark.parametrize(
+    ("run", "baseline"), [pytest.param(*p, marks=pytest.mark.jobs(*p), id=p[0]) for p in PAIRS]
+)
+def test_same_parameters_with_images_moved(fits, run, baseline) -> None:
+    """Float64: a fit whose images are encoded on other ranks ends with the parameters of the
+    same fit without encoder balancing, to 1e-10 relative; images did move."""
+    for name in (run, baseline):
+        check(result(fits["procs"], name))
+    got, want = fit_result(fits["root"] / run), fit_result(fits["root"] / baseline)
+    assert max_rel_diff(got["params"], want["params"]) < 1e-10
+    moved = sum(s["encoder_moved_images"] for s in got[0]["stats"])
+    assert moved > 0, f"{run}: no image moved, the test would prove nothing"
+    assert all(s["encoder_bytes"] > 0 for s in got[0]["stats"] if s["encoder_moved_images"])
+    assert {"balance/encoder_moved_images", "balance/encoder_bytes"} <= set(got[0]["logged"])
