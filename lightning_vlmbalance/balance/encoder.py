@@ -137,7 +137,7 @@ def encode_images(
     foreign_sizes = [s for per_rank in route.recv_sizes for s in per_rank]
     local_sizes = [sizes[i] for i in route.keep] + foreign_sizes
     pieces = [pixels[offsets[i] : offsets[i + 1]] for i in route.keep]
-    local = torch.cat([*pieces, received.to(pixels.dtype)]) if pieces else received
+    local = torch.cat([*pieces, received.to(device=pixels.device, dtype=pixels.dtype)])
     cu = torch.zeros(len(local_sizes) + 1, dtype=torch.int32)
     if local_sizes:
         cu[1:] = torch.cumsum(torch.tensor(local_sizes, dtype=torch.int32), 0)

@@ -23,13 +23,16 @@ result, and tests each ``C`` with a packing that keeps images at home first:
 2. the images no home could keep go, largest first, to the rank with the least room that still
    fits them (best fit, which keeps large holes for large images).
 
-If that packing fails at a ``C``, plain best fit of every image, largest first (homes only
-breaking ties), is tried at the same ``C``. The smallest ``C`` that packs is the plan; it is
+If that packing fails at a ``C``, plain best fit of every image, largest first, is tried at
+the same ``C``. The smallest ``C`` that packs is the plan; it is
 never worse than the greedy, nor than leaving every image at home (both are candidates).
 
 ``bound`` is a lower bound of the largest load over all assignments: the largest of the mean
-load, the largest base load, and for each ``k`` the least base load plus ``k + 1`` times the
-``(k R + 1)``-th largest image (among the ``k R + 1`` largest images, some rank holds ``k + 1``).
+load, the largest base load, for each ``k`` the least base load plus ``k + 1`` times the
+``(k R + 1)``-th largest image (among the ``k R + 1`` largest images, some rank holds ``k + 1``),
+and the least load a rank can have that reaches the mean (a base plus a sum of images: with
+images of two sizes, 645 and 1,075, no rank load lies between 3,010 and 3,225, so a mean of
+3,171 means a rank at 3,225 at least).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-__all__ = ["ImagePlan", "image_bound", "plan_images"]
+__all__ = ["ImagePlan", "image_bound", "order_micro_steps", "plan_images"]
 
 _BISECTIONS = 40  # at most; stops when the interval is below _REL_GAP of the load
 _REL_GAP = 1e-4
@@ -91,12 +94,46 @@ def image_bound(base: np.ndarray, cost: np.ndarray) -> float:
     """A lower bound of the largest load over every assignment of images of ``cost`` to ranks
     of ``base`` loads (see the module docstring)."""
     R = len(base)
-    bound = max(float((base.sum() + cost.sum()) / R), float(base.max()))
+    mean = float((base.sum() + cost.sum()) / R)
+    bound = max(mean, float(base.max()))
     if len(cost):
         desc = np.sort(cost)[::-1]
         k = np.arange(0, (len(desc) - 1) // R + 1)  # the (kR+1)-th largest exists
         bound = max(bound, float(base.min() + ((k + 1) * desc[k * R]).max()))
+        bound = max(bound, _level_at_least(base, cost, mean))
     return bound
+
+
+_LEVEL_TYPES = 6  # distinct image costs up to which the load levels are enumerated
+_LEVEL_COMBINATIONS = 200_000
+
+
+def _level_at_least(base: np.ndarray, cost: np.ndarray, mean: float) -> float:
+    """The most loaded rank carries at least the mean, and its load is its base plus a sum of
+    some images' costs: the least such sum that reaches the mean is a lower bound. Enumerated
+    when the images have few distinct costs (and ranks few distinct bases); else the mean."""
+    values, counts = np.unique(cost, return_counts=True)
+    bases = np.unique(base)
+    if len(values) > _LEVEL_TYPES or len(bases) > _LEVEL_TYPES or values[0] <= 0:
+        return mean
+    best = np.inf
+    for b in bases:
+        need = mean - float(b)
+        if need <= 0:
+            best = min(best, float(b))
+            continue
+        # every sum of up to counts[t] images of each cost, up to the first that passes `need`
+        sums = np.zeros(1)
+        for v, n in zip(values, counts):
+            reach = min(int(n), int(np.ceil(need / v)))
+            sums = (sums[:, None] + v * np.arange(reach + 1)[None, :]).ravel()
+            sums = np.unique(np.minimum(sums, need + v))  # beyond the first pass: one value
+            if len(sums) > _LEVEL_COMBINATIONS:
+                return mean
+        above = sums[sums >= need - 1e-9]
+        if len(above):
+            best = min(best, float(b) + float(above.min()))
+    return float(best) if np.isfinite(best) else mean
 
 
 def plan_images(base: np.ndarray, cost: np.ndarray, home: np.ndarray) -> ImagePlan:
@@ -139,31 +176,60 @@ def plan_images(base: np.ndarray, cost: np.ndarray, home: np.ndarray) -> ImagePl
     return ImagePlan(encoder, home, load, load_home, bound)
 
 
+def order_micro_steps(vision: np.ndarray) -> np.ndarray:
+    """The order in which each rank computes its packs of a global batch so that every
+    micro-step carries about the same vision work, no pack changing rank.
+
+    Under encoder balancing the ranks meet at every micro-step, which lasts as long as its most
+    loaded rank; images are spread within a micro-step but cannot leave it, so a micro-step
+    heavier than the others wastes time that its images cannot fill. Each rank's packs (ranks
+    taken from the most uneven) go, heaviest first, to the micro-steps with the least vision
+    work so far. A global batch is one optimizer step: the order of its micro-steps changes
+    only the order of a gradient sum.
+
+    Args:
+        vision: ``(R, G)`` the vision cost of the pack rank ``r`` computes at micro-step ``m``.
+
+    Returns:
+        ``(R, G)`` int64: ``order[r, m]`` is the micro-step (column of ``vision``) of the pack
+        rank ``r`` computes at micro-step ``m``.
+    """
+    vision = np.asarray(vision, dtype=np.float64)
+    R, G = vision.shape
+    order = np.tile(np.arange(G, dtype=np.int64), (R, 1))
+    if G == 1:
+        return order
+    totals = np.zeros(G)
+    for r in np.argsort(-vision.std(axis=1), kind="stable"):
+        heaviest = np.argsort(-vision[r], kind="stable")
+        emptiest = np.argsort(totals, kind="stable")
+        order[r, emptiest] = heaviest
+        totals[emptiest] += vision[r, heaviest]
+    return order
+
+
 @njit(cache=True, nogil=True)
 def _greedy(base: np.ndarray, cost: np.ndarray, home: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """Longest first: each image to the least loaded rank (its home on a tie)."""
+    """Longest first: each image to the least loaded rank (its home if that is as little
+    loaded), the ranks kept sorted by load."""
+    R = len(base)
     load = base.copy()
+    rank = np.argsort(load, kind="mergesort")
+    level = load[rank]
     encoder = np.empty(len(cost), dtype=np.int64)
     for n in order:
-        best = home[n]
-        for r in range(len(load)):
-            if load[r] < load[best]:
-                best = r
-        encoder[n] = best
-        load[best] += cost[n]
+        j = 0
+        if load[home[n]] <= level[0]:  # home is among the least loaded: find its place
+            while rank[j] != home[n]:
+                j += 1
+        r, new = rank[j], level[j] + cost[n]
+        encoder[n] = r
+        load[r] = new
+        while j + 1 < R and level[j + 1] <= new:
+            level[j], rank[j] = level[j + 1], rank[j + 1]
+            j += 1
+        level[j], rank[j] = new, r
     return encoder
-
-
-@njit(cache=True, nogil=True)
-def _best_fit(load: np.ndarray, c: float, cap: float, prefer: int) -> int:
-    """The fullest rank that still fits ``c`` within ``cap`` (``prefer`` on a tie); -1: none."""
-    best, best_load = -1, -1.0
-    if load[prefer] + c <= cap:
-        best, best_load = prefer, load[prefer]
-    for r in range(len(load)):
-        if load[r] + c <= cap and load[r] > best_load:
-            best, best_load = r, load[r]
-    return best
 
 
 @njit(cache=True, nogil=True)
@@ -177,7 +243,9 @@ def _fits(
     encoder: np.ndarray,
 ) -> bool:
     """Packs every image within ``cap`` (home first then best fit of the rest, or best fit of
-    all) into ``encoder``; says whether it packed."""
+    all) into ``encoder``; says whether it packed. Best fit keeps the ranks sorted by load: the
+    fullest rank an image fits is found by bisection (``O(log R)``) and moved up in place."""
+    R = len(base)
     load = base.copy()
     left = np.empty(len(order), dtype=np.int64)
     k = 0
@@ -189,13 +257,21 @@ def _fits(
         else:
             left[k] = n
             k += 1
+    if k == 0:
+        return True
+    rank = np.argsort(load, kind="mergesort")  # ranks by load, ascending
+    level = load[rank]
     for i in range(k):
         n = left[i]
-        r = _best_fit(load, cost[n], cap, home[n])
-        if r < 0:
+        j = np.searchsorted(level, cap - cost[n], side="right") - 1  # the fullest that fits
+        if j < 0:
             return False
-        load[r] += cost[n]
+        r, new = rank[j], level[j] + cost[n]
         encoder[n] = r
+        while j + 1 < R and level[j + 1] <= new:  # keep the order: move it up
+            level[j], rank[j] = level[j + 1], rank[j + 1]
+            j += 1
+        level[j], rank[j] = new, r
     return True
 
 

@@ -49,7 +49,7 @@ from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from_meta
 from lightning_vlmbalance.balance.encoder import register_group, route_for
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, wait_pack_ready
-from lightning_vlmbalance.balance.images import plan_images
+from lightning_vlmbalance.balance.images import order_micro_steps, plan_images
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import optimizer_steps, weigh_step
 from lightning_vlmbalance.packing.sampler import PackedDataLoader
@@ -450,6 +450,13 @@ class RebalancingLoader:
             features = local.numpy()
         global_tokens = int(features[:, -1].sum())
         stats: dict[str, float] = {"moved_packs": 0.0, "exchange_ms": 0.0}
+        if self.config.encoder and W > 1:
+            order, more = self._balance_encoder(batches, features)
+            stats.update(more)
+            weigh_step(
+                order, global_loss_tokens=global_tokens, ranks=W, micro_steps=self.micro_steps
+            )
+            return order, stats
         if self.mode == "off" or W == 1:
             order = list(batches)
             plan = None
@@ -485,49 +492,55 @@ class RebalancingLoader:
             order = [
                 mine[p] if p in mine else received[p] for p in plan.assignment[r, :, 0].tolist()
             ]
-        if self.config.encoder and W > 1:
-            placed = (
-                plan.assignment[:, :, 0]
-                if plan is not None
-                else np.arange(W * G, dtype=np.int64).reshape(W, G)
-            )
-            stats.update(self._balance_encoder(batches, order, features, placed))
         weigh_step(order, global_loss_tokens=global_tokens, ranks=W, micro_steps=self.micro_steps)
         return order, stats
 
     def _balance_encoder(
-        self, batches: list[Any], order: list[Any], features: np.ndarray, placed: np.ndarray
-    ) -> dict[str, float]:
-        """Plans, for every micro-step of the global batch, which rank encodes which image, sends
-        the pixels there, and leaves each batch of ``order`` its ``encoder_route`` and
-        ``encoder_pixels`` (see :mod:`~lightning_vlmbalance.balance.encoder`).
-
-        ``placed[r, m]`` is the global pack (origin rank times ``G`` plus its micro-step) rank
-        ``r`` computes at micro-step ``m``; ``features`` are every pack's, gathered."""
-        W, G = placed.shape
-        r = self.rank
+        self, batches: list[Any], features: np.ndarray
+    ) -> tuple[list[Any], dict[str, float]]:
+        """Encoder balancing of one global batch (``RebalanceConfig(encoder=True)``): every
+        pack stays on its rank; in ``"overlap"`` / ``"sync"`` mode each rank's packs are
+        re-ordered over the micro-steps so that every micro-step carries about the same vision
+        work (:func:`~lightning_vlmbalance.balance.images.order_micro_steps`); then, micro-step
+        by micro-step, the images are planned to ranks, the pixels are sent where they are
+        encoded, and each batch is given its ``encoder_route`` and ``encoder_pixels`` (see
+        :mod:`~lightning_vlmbalance.balance.encoder`). Returns this rank's batches in order and
+        the statistics."""
+        W, G, r = self.world_size, len(batches), self.rank
         start = time.perf_counter()
         sizes = self._gather_image_sizes(batches, features)  # (W * G, K), rows per image
         counts = features[:, FEATURES.index("images")]
-        per_call: float
+        present = np.arange(sizes.shape[1])[None, :] < counts[:, None]
         image_ms, per_call = self.cost_model.image_cost_ms(sizes)
+        image_ms = np.where(present, image_ms, 0.0)
         llm_ms = self.cost_model.llm_cost_ms({n: features[:, i] for i, n in enumerate(FEATURES)})
+        placed = np.arange(W * G, dtype=np.int64).reshape(W, G)  # global pack: rank * G + m
+        if self.mode != "off":
+            steps = order_micro_steps(image_ms.sum(axis=1)[placed])
+            placed = np.take_along_axis(placed, steps, axis=1)
+        order = [batches[int(p) - r * G] for p in placed[r]]
         K = sizes.shape[1]
         mine: dict[int, Any] = {}
         moves: list[tuple[int, int, int]] = []
-        foreign: list[list[tuple[int, int, int]]] = []  # per micro-step: (key, owner, rows)
+        foreign: list[list[int]] = []  # per micro-step: the keys of the pixels received
         moved = moved_rows = 0
+        spent = ideal = spent_home = 0.0  # the plan's predicted step, as the ranks meet
         for m in range(G):
             packs = placed[:, m]
             home = np.repeat(np.arange(W), counts[packs])
             index = np.concatenate([np.arange(counts[p]) for p in packs]).astype(np.int64)
             rows = np.concatenate([sizes[p, : counts[p]] for p in packs]).astype(np.int64)
-            cost = np.concatenate([image_ms[p, : counts[p]] for p in packs])
-            plan = plan_images(llm_ms[packs] + per_call, cost, home)
+            plan = plan_images(np.full(W, per_call), image_ms[packs][present[packs]], home)
             moved += plan.moved_images
             moved_rows += int(rows[plan.encoder != home].sum())
+            language = llm_ms[packs]
+            spent += float(language.max() + plan.load.max())
+            spent_home += float(language.max() + plan.load_home.max())
+            ideal += float(language.mean() + plan.load.mean())
             own = home == r
-            route = route_for(
+            batch = order[m]
+            _check_image_fields(batch)
+            batch["encoder_route"] = route_for(
                 group=self._encoder_group_name,
                 rank=r,
                 world=W,
@@ -539,9 +552,6 @@ class RebalancingLoader:
                     if e == r and h != r
                 ],
             )
-            batch = order[m]
-            _check_image_fields(batch)
-            batch["encoder_route"] = route
             keys = []
             cu = batch["image_cu_seqlens"].tolist()
             for h, i, e in zip(home, index, plan.encoder):
@@ -554,6 +564,7 @@ class RebalancingLoader:
                 elif e == r:
                     keys.append(key)
             foreign.append(keys)
+        planned_ms = (time.perf_counter() - start) * 1e3
         received = self._exchange(mine, moves)
         if self._stream is not None:  # the pixels are complete before the step reads them
             self._stream.synchronize()
@@ -565,10 +576,13 @@ class RebalancingLoader:
             )
         row = order[0]["pixel_values"]  # every rank's rows have this shape and dtype
         row_bytes = math.prod(row.shape[1:]) * row.element_size()
-        return {
+        return order, {
             "encoder_moved_images": float(moved),
             "encoder_bytes": float(moved_rows * row_bytes),  # all ranks'; no collective
-            "encoder_plan_ms": (time.perf_counter() - start) * 1e3,
+            "encoder_plan_ms": planned_ms,
+            "exchange_ms": (time.perf_counter() - start) * 1e3 - planned_ms,
+            "planned_waste_frac": 1.0 - ideal / spent if spent > 0 else 0.0,
+            "baseline_waste_frac": 1.0 - ideal / spent_home if spent_home > 0 else 0.0,
         }
 
     def _exchange(

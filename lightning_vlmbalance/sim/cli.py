@@ -38,7 +38,7 @@ from lightning_vlmbalance.synthetic import read_length_csv, resample_text_share
 SYNC_OF_STRATEGY = {"vlmbalance": "step", "fsdp_vlmbalance": "microstep", "ddp": "microstep"}
 
 _COLUMNS = (
-    ("strategy", "{:>8}"),
+    ("strategy", "{:>15}"),
     ("dp", "{:>6}"),
     ("ga", "{:>4}"),
     ("step_ms", "{:>11.1f}"),
@@ -48,6 +48,7 @@ _COLUMNS = (
     ("tokens_per_s_per_rank", "{:>9.0f}"),
     ("packing_efficiency", "{:>6.3f}"),
     ("moved_packs", "{:>8.1f}"),
+    ("moved_images", "{:>8.1f}"),
     ("gain", "{:>+7.3f}"),
 )
 

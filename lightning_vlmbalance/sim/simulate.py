@@ -17,6 +17,19 @@ when overlapped); ``budget`` (packs built with an image-token budget per pack: b
 packs, worse packing efficiency, no rebalancing); ``source`` (``PackingSampler(balance=...)``:
 global batches formed balanced at the source).
 
+Encoder balancing (``RebalanceConfig(encoder=True)``) adds ``encoder`` (the packs of ``off``),
+``encoder_overlap`` (the rebalancing thread re-orders each rank's packs over the micro-steps so
+every micro-step carries the same vision work, ``images.order_micro_steps``; no pack changes
+rank) and ``encoder_source`` (the packs of ``source``): at every micro-step the images of the
+ranks' packs are planned to ranks (:func:`~lightning_vlmbalance.balance.images.plan_images`)
+and the embeddings return to their
+packs in the forward, their gradients in the backward. Those returns synchronise the ranks twice
+per micro-step, between the encoder and the language model, so a micro-step takes the slowest
+rank's language model plus the slowest rank's encoder work (every rank pays the encoder's
+per-call cost), plus both returns (``embedding_token_bytes`` per image token each way, exposed);
+the pixels travel in the rebalancing thread, hidden behind the previous step's compute up to
+its length, as the pack exchange is.
+
 What each row is measured on (its ``samples`` field): ``off``, ``sync`` and ``overlap`` compute
 the same drawn global batches; ``source`` re-forms exactly the samples of those batches (a pack
 drawn twice gives its samples twice) into a whole source-balanced epoch, whose batch count may
@@ -44,6 +57,7 @@ import numpy as np
 
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
+from lightning_vlmbalance.balance.images import order_micro_steps, plan_images
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
 from lightning_vlmbalance.packing.plan import (
@@ -64,7 +78,9 @@ __all__ = [
 
 STRATEGIES: tuple[str, ...] = ("off", "sync", "overlap", "budget")
 # also accepted: "source" (PackingSampler(balance=...): global batches balanced at the source)
-ALL_STRATEGIES: tuple[str, ...] = (*STRATEGIES, "source")
+# and the encoder-balanced strategies (RebalanceConfig(encoder=True); see the module docstring)
+ENCODER_STRATEGIES: tuple[str, ...] = ("encoder", "encoder_overlap", "encoder_source")
+ALL_STRATEGIES: tuple[str, ...] = (*STRATEGIES, "source", *ENCODER_STRATEGIES)
 SYNC_EVERY: tuple[str, ...] = ("step", "microstep")
 
 
@@ -79,6 +95,8 @@ class ExchangeModel:
         image_token_bytes: pixel bytes per image token (14 x 14 patches, 3 channels, bfloat16,
             2 x 2 merge: 4,704).
         plan_ms: planning time per global batch (the planner's measured 5-30 ms at 16k packs).
+        embedding_token_bytes: bytes per image token of an image embedding returned to its
+            pack (and of its gradient): 4,096 dimensions in bfloat16 (8,192).
 
     Raises:
         ValueError: for a bandwidth that is not a finite number > 0, or a latency, byte count
@@ -90,12 +108,19 @@ class ExchangeModel:
     text_token_bytes: int = 24
     image_token_bytes: int = 4704
     plan_ms: float = 5.0
+    embedding_token_bytes: int = 8192
 
     def __post_init__(self) -> None:
         bw = self.bandwidth_gb_s
         if not (isinstance(bw, numbers.Real) and math.isfinite(bw) and bw > 0):
             raise ValueError(f"`ExchangeModel(bandwidth_gb_s={bw!r})` must be a finite number > 0")
-        for name in ("latency_ms", "text_token_bytes", "image_token_bytes", "plan_ms"):
+        for name in (
+            "latency_ms",
+            "text_token_bytes",
+            "image_token_bytes",
+            "plan_ms",
+            "embedding_token_bytes",
+        ):
             v = getattr(self, name)
             if not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"`ExchangeModel({name}={v!r})` must be a finite number >= 0")
@@ -109,6 +134,23 @@ class ExchangeModel:
         msgs = np.bincount(moves[:, 1], minlength=world) + np.bincount(moves[:, 2], minlength=world)
         busiest = float(np.max(np.maximum(sent, recv)))
         return self.plan_ms + busiest / (self.bandwidth_gb_s * 1e6) + self.latency_ms * msgs.max()
+
+    def transfer_ms(
+        self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, world: int
+    ) -> float:
+        """Milliseconds of one all-to-all moving ``nbytes[i]`` from rank ``src[i]`` to
+        ``dst[i]`` (no planning time): the busiest rank's bytes over the bandwidth, plus the
+        latency of its messages (one per peer it exchanges with)."""
+        if not len(src):
+            return 0.0
+        sent = np.bincount(src, weights=nbytes, minlength=world)
+        recv = np.bincount(dst, weights=nbytes, minlength=world)
+        pairs = np.unique(src * world + dst)
+        msgs = np.bincount(pairs // world, minlength=world) + np.bincount(
+            pairs % world, minlength=world
+        )
+        busiest = float(np.max(np.maximum(sent, recv)))
+        return busiest / (self.bandwidth_gb_s * 1e6) + self.latency_ms * float(msgs.max())
 
 
 @dataclass(frozen=True)
@@ -199,6 +241,79 @@ def closed_form_waste(mean_ms: float, std_ms: float, dp: int, ga: int, sync_ever
     return 1.0 - ga * mean_ms / expected if expected > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class _PackImages:
+    """Every pack's images, for encoder balancing: pack ``i`` holds images
+    ``offsets[i]:offsets[i + 1]`` of ``tokens`` / ``cost_ms`` (a sample's image tokens split
+    evenly over its images, the remainder to the first); ``llm_ms`` is each pack's language
+    model, ``per_call_ms`` the encoder's cost per call."""
+
+    offsets: np.ndarray
+    tokens: np.ndarray
+    cost_ms: np.ndarray
+    llm_ms: np.ndarray
+    per_call_ms: float
+
+    @property
+    def vision_ms(self) -> np.ndarray:
+        """Each pack's images' encoder cost (without the per-call cost)."""
+        total = np.concatenate([[0.0], np.cumsum(self.cost_ms)])
+        return total[self.offsets[1:]] - total[self.offsets[:-1]]
+
+    @classmethod
+    def of(
+        cls,
+        packs: Packs,
+        feats: Mapping[str, np.ndarray],
+        image: np.ndarray,
+        images: np.ndarray,
+        cost_model: CostModel,
+    ) -> _PackImages:
+        count = images[packs.positions]  # per sample of the packs, in pack order
+        whole = image[packs.positions]
+        owner = np.repeat(np.arange(len(count)), count)
+        rank_in_sample = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
+        tokens = whole[owner] // count[owner] + (rank_in_sample < whole[owner] % count[owner])
+        offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)[packs.offsets]
+        cost_ms, per_call = cost_model.image_cost_ms(tokens)
+        llm_ms = cost_model.llm_cost_ms(feats)
+        llm_ms[feats["total_tokens"] == 0] = 0.0  # a padding pack computes nothing
+        return cls(offsets, tokens, cost_ms, llm_ms, per_call)
+
+    def step(
+        self, placed: np.ndarray, exchange: ExchangeModel
+    ) -> tuple[float, float, float, float]:
+        """One global batch with encoder balancing; ``placed[r, m]``: the pack rank ``r``
+        computes at micro-step ``m``. Returns the compute time (per micro-step the slowest
+        language model plus the slowest encoder work), the returns' time (embeddings and
+        gradients, on the step path), the pixels' transfer time (in the rebalancing thread) and
+        the images moved."""
+        R, G = placed.shape
+        busy = returns = moved = 0.0
+        src: list[np.ndarray] = []
+        dst: list[np.ndarray] = []
+        rows: list[np.ndarray] = []
+        base = np.full(R, self.per_call_ms)
+        for m in range(G):
+            packs = placed[:, m]
+            first, last = self.offsets[packs], self.offsets[packs + 1]
+            idx = np.concatenate([np.arange(a, b) for a, b in zip(first, last)]).astype(np.int64)
+            home = np.repeat(np.arange(R), last - first)
+            plan = plan_images(base, self.cost_ms[idx], home)
+            busy += float(self.llm_ms[packs].max()) + float(plan.load.max())
+            away = plan.encoder != home
+            tokens = self.tokens[idx][away]
+            back = tokens * float(exchange.embedding_token_bytes)
+            returns += 2.0 * exchange.transfer_ms(plan.encoder[away], home[away], back, R)
+            src.append(home[away])
+            dst.append(plan.encoder[away])
+            rows.append(tokens)
+            moved += float(away.sum())
+        pixels = np.concatenate(rows) * float(exchange.image_token_bytes)
+        sent = exchange.transfer_ms(np.concatenate(src), np.concatenate(dst), pixels, R)
+        return busy, returns, exchange.plan_ms + sent, moved
+
+
 class _Pool:
     """The packs of one packer over the mix: sample ids, features, costs, bytes."""
 
@@ -236,6 +351,7 @@ class _Pool:
         self.rows = rows  # table row of each sample index of the packs
         feats = features_from_packs(self.packs, total, image, images)
         self.cost_ms = cost_model.pack_cost_ms(feats)
+        self.images = _PackImages.of(self.packs, feats, image, images, cost_model)
         self.tokens = feats["total_tokens"]
         self.image_tokens = feats["image_tokens"]
         text = feats["total_tokens"] - feats["image_tokens"]
@@ -320,6 +436,7 @@ class _SourcePool:
         feats = features_from_packs(packs, total, image, images)
         self.cost_ms = cost_model.pack_cost_ms(feats)
         self.cost_ms[feats["total_tokens"] == 0] = 0.0
+        self.images = _PackImages.of(packs, feats, image, images, cost_model)
         # a lower bound's term: the heaviest sample of each pack, as a pack of its own
         alone = Packs(np.arange(len(total)), np.arange(len(total) + 1))
         sample_ms = cost_model.pack_cost_ms(features_from_packs(alone, total, image, images))
@@ -425,13 +542,16 @@ def simulate(
     for R in dp:
         for G in ga:
             group = []
+            source: _SourcePool | None = None
             for strategy in strategies:
-                if strategy == "source":  # the samples of off's global batches, re-formed
+                if strategy in ("source", "encoder_source") and source is not None:
+                    p, draws = source, source.draws
+                elif strategy in ("source", "encoder_source"):  # off's samples, re-formed
                     greedy = pool("greedy", R)
                     rows_of_off = greedy.table_rows(
                         _draws(greedy, R, G, batches, seed, replay, replay_skip)
                     )
-                    p = _SourcePool(
+                    p = source = _SourcePool(
                         table,
                         rows_of_off,
                         seq_len,
@@ -521,11 +641,17 @@ def _run(
     progress: Callable[[int], Any] | None,
 ) -> dict[str, Any]:
     steps, ideals, moved, exposed, tokens, bounds = [], [], [], [], [], []
+    images_moved: list[float] = []
     origin = np.repeat(np.arange(R, dtype=np.int64), G)
+    encoder = strategy in ENCODER_STRATEGIES
     for draw in draws:
         cost = p.cost_ms[draw]
         compute = cost.reshape(R, G)
-        exposed_ms = 0.0
+        placed = draw.reshape(R, G)
+        exposed_ms = ex_ms = 0.0
+        if strategy == "encoder_overlap":  # micro-steps of even vision work, no pack moves
+            order = order_micro_steps(p.images.vision_ms[placed])
+            placed = np.take_along_axis(placed, order, axis=1)
         if strategy in ("sync", "overlap") and R > 1:
             plan = plan_rebalance(
                 np.rint(cost * 1000.0).astype(np.int64),
@@ -536,12 +662,20 @@ def _run(
                 tolerance=plan_config.tolerance,
             )
             compute = cost[plan.assignment[:, :, 0]]
+            placed = draw[plan.assignment[:, :, 0]]
             moves = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 3)
             moves_global = moves.copy()
             moves_global[:, 0] = draw[moves[:, 0]] if len(moves) else moves[:, 0]
             ex_ms = exchange.exchange_ms(moves_global, p.bytes, R)
             moved.append(len(moves))
-        busy = _step_time(compute, objective)
+        if encoder and R > 1:
+            busy, returns_ms, pixels_ms, n_images = p.images.step(placed, exchange)
+            busy += returns_ms  # on the step path
+            images_moved.append(n_images)
+            ex_ms += pixels_ms  # the pixels travel in the rebalancing thread
+            exposed_ms = max(0.0, ex_ms - busy)
+        else:
+            busy = _step_time(compute, objective)
         step = busy + overhead_ms
         if strategy == "sync" and R > 1:
             exposed_ms = ex_ms
@@ -551,7 +685,7 @@ def _run(
         steps.append(step + exposed_ms)
         exposed.append(exposed_ms)
         ideals.append(float(cost.sum()) / R)
-        if isinstance(p, _SourcePool):  # no step is shorter than its heaviest sample
+        if strategy == "source":  # no step is shorter than its heaviest sample
             bounds.append(max(ideals[-1], float(p.heaviest_ms[draw].max())))
         tokens.append(float(p.tokens[draw].sum()))
         if progress is not None:
@@ -577,6 +711,7 @@ def _run(
         "tokens_per_s_per_rank": float(np.mean(tokens)) / R / (step_ms / 1e3) if step_ms else 0.0,
         "packing_efficiency": p.efficiency,
         "moved_packs": float(np.mean(moved)) if moved else 0.0,
+        "moved_images": float(np.mean(images_moved)) if images_moved else 0.0,
         "exposed_exchange_ms": float(np.mean(exposed)),
         **extra,
     }
