@@ -1,16 +1,19 @@
 """The main job: a real multi-process training of the example VLM on the CPU, and the gain.
 
-    python -m examples.train                        # 2 processes (gloo): off, overlap, source
+    python -m examples.train                        # 2 processes (gloo): the four modes
     python -m examples.train --balance-mode source  # one mode alone
     python -m examples.train --strategy ddp         # plain DDP, one run
     python -m examples.train --data a.csv --length-scale 0.0625 --seq-len 512
 
 By default one invocation trains the same data (one epoch) from the same initial weights in
-three modes: ``off`` (packs where the sampler put them), ``overlap`` (whole packs exchanged
-between ranks in the background) and ``source`` (global batches formed by cost in the sampler),
-with a cost model calibrated from the first ``off`` run's own StragglerMonitor logs. Each mode
-trains ``--rounds`` times, the rounds in ABBA order (off, overlap, source, source, overlap, off),
-so that a change of the machine's load during the job lands on every mode alike.
+four modes: ``off`` (packs where the sampler put them), ``overlap`` (whole packs exchanged
+between ranks in the background), ``source`` (global batches formed by cost in the sampler) and
+``encoder`` (every pack stays on its rank, ordered over the micro-steps for even vision work, and
+each micro-step's images are encoded on the ranks the plan gives them: two-level balancing,
+``RebalanceConfig(encoder=True)``), with a cost model calibrated from the first ``off`` run's own
+StragglerMonitor logs. Each mode trains ``--rounds`` times, the rounds in ABBA order (off,
+overlap, source, encoder, encoder, source, overlap, off), so that a change of the machine's load
+during the job lands on every mode alike.
 
 The headline is whole-run tokens/s (every mode trains the same samples: the same tokens), summed
 over the rounds, and its gain over ``off``; the gain of each round against that round's ``off``
@@ -57,8 +60,8 @@ from lightning_vlmbalance.synthetic import (
 )
 from lightning_vlmbalance.timing import WAIT_PHASES
 
-MODES = ("off", "overlap", "sync", "source")
-COMPARED = ("off", "overlap", "source")
+MODES = ("off", "overlap", "sync", "source", "encoder")
+COMPARED = ("off", "overlap", "source", "encoder")
 WARMUP_STEPS = 5  # optimizer steps left out of the median step time (a secondary figure)
 ROUNDS = 2  # each compared mode trains this many times, in ABBA order
 _RUN_DIR_ENV = "VLMBALANCE_MAIN_JOB_DIR"  # the run folder, handed to the other ranks
@@ -254,6 +257,7 @@ class RunSummary(L.Callback):
             "mean_loss": _mean_over_ranks(self.losses),
             "log_dir": trainer.logger.log_dir if trainer.logger else None,
             "moved_packs": 0,
+            "moved_images": 0,
             "bytes_exchanged": 0,
         }
         cost_model = sampler.cost_model or getattr(trainer.strategy, "cost_model", None)
@@ -263,10 +267,12 @@ class RunSummary(L.Callback):
         if loader is not None:
             self.summary["balance_mode"] = loader.mode
             self.summary["moved_packs"] = loader.moved_packs_total
+            self.summary["moved_images"] = loader.moved_images_total
             received = torch.tensor([loader.received_bytes_total], dtype=torch.float64)
             if dist.is_available() and dist.is_initialized():
                 dist.all_reduce(received)
-            self.summary["bytes_exchanged"] = int(received.item())
+            # packs received (summed over the ranks) and pixels sent to encode (all ranks')
+            self.summary["bytes_exchanged"] = int(received.item()) + loader.encoder_bytes_total
             planned = [b for b in loader.stats if "planned_waste_frac" in b]
             if planned:  # the planner's prediction, with the cost model in use
                 self.summary["planned_waste_before"] = round(
@@ -395,8 +401,11 @@ def fit_mode(
     summary = RunSummary(monitor, mode)
     if args.strategy == "vlmbalance" and args.devices > 1:
         # "source": the strategy sees the balanced loader and moves nothing
+        # "encoder": packs ordered over the micro-steps in the background, images balanced
         strategy: Any = vb.VLMBalanceStrategy(
-            mode="off" if mode == "source" else mode, cost_model=cost_model
+            mode={"source": "off", "encoder": "overlap"}.get(mode, mode),
+            encoder=mode == "encoder",
+            cost_model=cost_model,
         )
     else:
         strategy = "ddp" if args.devices > 1 else "auto"
@@ -475,8 +484,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--balance-mode",
         default="compare",
         choices=("compare", *MODES),
-        help="compare: off, overlap and source (--rounds each, ABBA order), with a cost model"
-        " fitted on the first off run's logs",
+        help="compare: off, overlap, source and encoder (--rounds each, ABBA order), with a cost"
+        " model fitted on the first off run's logs",
     )
     p.add_argument("--cost-model", help="a saved CostModel (JSON) instead of the calibration")
     args = p.parse_args(argv)
@@ -590,7 +599,10 @@ def report(
     every = [r for rs in runs.values() for r in rs]
     samples = [sorted(x for step in r.steps_samples for x in step) for r in every]
     exchanged = [
-        r.steps_samples for m, rs in runs.items() if m in ("off", "overlap", "sync") for r in rs
+        r.steps_samples
+        for m, rs in runs.items()
+        if m in ("off", "overlap", "sync", "encoder")
+        for r in rs
     ]
     summary: dict[str, Any] = {
         "ranks": every[0].summary["ranks"],
@@ -634,6 +646,7 @@ def print_run(s: dict[str, Any]) -> None:
     if "balance_mode" in s:
         lines.append(
             f"Rebalancing ({s['balance_mode']}): {s['moved_packs']} packs moved,"
+            f" {s['moved_images']} images encoded on another rank,"
             f" {s['bytes_exchanged']:,} bytes; planned waste {s['planned_waste']:.1%}."
         )
     lines.append(f"TensorBoard logs: {s['log_dir']}  (tensorboard --logdir {s['log_dir']})")
@@ -664,10 +677,10 @@ def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
     )
     head = (
         "| mode | steps | tokens/s | gain vs off | per round | steps/s (median) | waiting"
-        " (measured) | planned waste | exposed ms | packs moved | bytes exchanged | packing"
-        " | mean loss |"
+        " (measured) | planned waste | exposed ms | packs moved | images moved | bytes exchanged"
+        " | packing | mean loss |"
     )
-    lines += [head, "|" + "---|" * 13]
+    lines += [head, "|" + "---|" * 14]
     for mode, s in modes.items():
         per_round = ", ".join(_pct(g) for g in s["gain_by_round"]) or "-"
         lines.append(
@@ -676,7 +689,8 @@ def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
             f" {s['steps_per_s_median']:.2f} ({_pct(s['median_gain_vs_off'])}) |"
             f" {s.get('waste_frac', float('nan')):.1%} | {s['planned_waste']:.1%} |"
             f" {s.get('exposed_exchange_ms', '-')} |"
-            f" {s['moved_packs']} | {s['bytes_exchanged']:,} | {s['packing_efficiency']:.2%} |"
+            f" {s['moved_packs']} | {s['moved_images']} | {s['bytes_exchanged']:,} |"
+            f" {s['packing_efficiency']:.2%} |"
             f" {s['mean_loss']} |"
         )
     if "best_mode" in summary:

@@ -26,17 +26,43 @@ else). Without a route (balancing off) :func:`encode_images` is the plain encode
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ImageRoute", "encode_images", "register_group", "route_for"]
+from lightning_vlmbalance.timing.timer import ENCODER_RETURN
+
+__all__ = ["ImageRoute", "encode_images", "register_group", "route_for", "time_returns"]
 
 # the process groups routes name: set by the strategy (or the user) before training
 _GROUPS: dict[str, dist.ProcessGroup | None] = {}
+# step timers (``start(phase)`` / ``stop(phase)``) that time the returns as ``encoder_return``
+_TIMERS: list[Any] = []
+
+
+def time_returns(timer: Any, *, on: bool = True) -> None:
+    """Times every return of embeddings (and of their gradients) as the phase
+    ``encoder_return`` of ``timer`` (a :class:`~lightning_vlmbalance.timing.StepTimer`; the
+    StragglerMonitor registers its own), or stops that with ``on=False``."""
+    if on and timer not in _TIMERS:
+        _TIMERS.append(timer)
+    elif not on and timer in _TIMERS:
+        _TIMERS.remove(timer)
+
+
+@contextlib.contextmanager
+def _timed() -> Iterator[None]:
+    for timer in _TIMERS:
+        timer.start(ENCODER_RETURN, host=True)
+    try:
+        yield
+    finally:
+        for timer in _TIMERS:
+            timer.stop(ENCODER_RETURN)
 
 
 def register_group(name: str, group: dist.ProcessGroup | None) -> None:
@@ -91,14 +117,18 @@ class _ReturnEmbeddings(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (send_splits, recv_splits), group
         out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+        with _timed():
+            dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         send_splits, recv_splits = ctx.splits
         out = grad.new_empty((sum(send_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        with _timed():
+            dist.all_to_all_single(
+                out, grad.contiguous(), send_splits, recv_splits, group=ctx.group
+            )
         return out, None, None, None
 
 

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_vlmbalance import _lightning as seam
+from lightning_vlmbalance.balance import encoder
 from lightning_vlmbalance.balance.cost import features_from_meta
 from lightning_vlmbalance.callbacks._options import LOG_EVERY_N_STEPS, checked_log_every_n_steps
 from lightning_vlmbalance.timing import (
@@ -120,6 +121,7 @@ class StragglerMonitor(Callback):
         self._handles: list[Any] = []
         self._seam_trainer: L.Trainer | None = None
         self._restore_hook: tuple[DDPStrategy, Any] | None = None
+        self._timing_returns: StepTimer | None = None  # the timer given to encoder balancing
         self._last_step = 0
         self._failed = False
         self._fitting = False  # from on_train_start to the end of fit: checkpoints gather
@@ -162,6 +164,8 @@ class StragglerMonitor(Callback):
             )
         self._patch_loop(trainer)
         self._register_cpu_comm_hook(trainer)
+        encoder.time_returns(self.timer)  # encoder balancing's returns: ``encoder_return``
+        self._timing_returns = self.timer
         directory = Path(self.jsonl_dir) if self.jsonl_dir else None
         if directory is None:
             log_dir = trainer.log_dir  # a broadcast from rank 0: every rank calls it here
@@ -324,6 +328,9 @@ class StragglerMonitor(Callback):
 
     def _cleanup(self) -> None:
         self._fitting = False
+        if self._timing_returns is not None:
+            encoder.time_returns(self._timing_returns, on=False)
+            self._timing_returns = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

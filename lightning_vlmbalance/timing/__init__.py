@@ -15,6 +15,7 @@ from lightning_vlmbalance.timing.summary import (
 from lightning_vlmbalance.timing.timer import (
     COMPUTE_PHASES,
     DEVICE_PHASES,
+    ENCODER_RETURN,
     LIGHTNING_SYNC,
     MEASURED_PHASES,
     SYNC_WAIT,
@@ -26,6 +27,7 @@ from lightning_vlmbalance.timing.timer import (
 __all__ = [
     "COMPUTE_PHASES",
     "DEVICE_PHASES",
+    "ENCODER_RETURN",
     "LIGHTNING_SYNC",
     "MEASURED_PHASES",
     "SERIES",

@@ -22,6 +22,10 @@ Phases (milliseconds per optimizer step, summed over its micro-batches):
                     previous step's all-reduce, so what it waits for happened between steps
                     (validation, a checkpoint save): it is reported as ``between_steps_ms``
                     and never counted as waiting. So is the first broadcast after a pause.
+``encoder_return``  under encoder balancing, the return of the image embeddings to their packs
+                    (forward) and of their gradients (backward): an all-to-all every rank
+                    enters, so mostly waiting for the rank whose encoder finished last (plus
+                    the transfer); excluded from the phase it is nested in
 ``step``            the whole optimizer step, first micro-batch to optimizer end (host), less
                     its pauses
 ==================  ==========================================================================
@@ -45,6 +49,7 @@ import torch
 __all__ = [
     "COMPUTE_PHASES",
     "DEVICE_PHASES",
+    "ENCODER_RETURN",
     "LIGHTNING_SYNC",
     "MEASURED_PHASES",
     "SYNC_WAIT",
@@ -57,9 +62,17 @@ __all__ = [
 # predicts per pack, are `balance.cost.MODELLED_PHASES`).
 SYNC_WAIT = "sync_wait"  # the wait at the gradient all-reduce
 LIGHTNING_SYNC = "lightning_sync"  # the wait at Lightning's per-micro-batch flag broadcast
+ENCODER_RETURN = "encoder_return"  # the all-to-all of image embeddings under encoder balancing
 COMPUTE_PHASES = ("vision_fwd", "llm_fwd", "backward")
-MEASURED_PHASES = ("data", *COMPUTE_PHASES, "optimizer", SYNC_WAIT, LIGHTNING_SYNC)
-WAIT_PHASES = (SYNC_WAIT, LIGHTNING_SYNC)
+MEASURED_PHASES = (
+    "data",
+    *COMPUTE_PHASES,
+    "optimizer",
+    SYNC_WAIT,
+    LIGHTNING_SYNC,
+    ENCODER_RETURN,
+)
+WAIT_PHASES = (SYNC_WAIT, LIGHTNING_SYNC, ENCODER_RETURN)
 DEVICE_PHASES = (*COMPUTE_PHASES, "optimizer", SYNC_WAIT)  # timed with device events on CUDA
 
 
