@@ -559,6 +559,7 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
                     "tokens_per_s": round(per_round[k], 1),
                     **({"waste_frac": r["waste_frac"]} if "waste_frac" in r else {}),
                     "moved_packs": r.get("moved_packs", 0),
+                    "moved_images": r.get("moved_images", 0),
                     "log_dir": r.get("log_dir"),
                 }
                 for k, r in enumerate(rs)

@@ -125,9 +125,10 @@ def test_the_headline_gain_is_whole_run_tokens_per_s_over_every_round() -> None:
 def test_the_main_job_compares_the_modes_on_the_same_samples(main_job) -> None:
     summary, stdout = main_job
     modes = summary["modes"]
-    assert list(modes) == ["off", "overlap", "source"] and summary["ranks"] == 2
+    assert list(modes) == ["off", "overlap", "source", "encoder"] and summary["ranks"] == 2
     assert summary["rounds"] == 2
-    assert summary["order"] == ["off", "overlap", "source", "source", "overlap", "off"]
+    forward = ["off", "overlap", "source", "encoder"]
+    assert summary["order"] == forward + forward[::-1]
     assert summary["read_ahead"] == 2  # every mode reads 2 packs ahead in a thread per rank
     # every run trains every sample once; off and overlap the same global batch at every step
     assert summary["same_samples"] and summary["same_global_batches"]
@@ -152,8 +153,13 @@ def test_the_main_job_compares_the_modes_on_the_same_samples(main_job) -> None:
     assert (overlap["bytes_exchanged"] > 0) == (overlap["moved_packs"] > 0)
     assert modes["source"]["source_balanced"] and modes["source"]["moved_packs"] == 0
     assert modes["source"]["bytes_exchanged"] == 0
+    # encoder balancing: no pack changes rank, images are encoded on other ranks
+    encoder = modes["encoder"]
+    assert encoder["moved_packs"] == 0
+    assert sum(r["moved_images"] for r in encoder["by_round"]) > 0
+    assert all(m["moved_images"] == 0 for k, m in modes.items() if k != "encoder")
     # "best" is chosen on the headline figure
-    best = max(("overlap", "source"), key=lambda m: modes[m]["tokens_per_s"])
+    best = max(("overlap", "source", "encoder"), key=lambda m: modes[m]["tokens_per_s"])
     assert summary["best_mode"] == best and summary["gain_vs_off"] == modes[best]["gain_vs_off"]
     assert summary["gain_spread"] == modes[best]["gain_spread"]
     # the cost model the balanced modes planned with was fitted on the off run's own logs
@@ -182,6 +188,9 @@ def test_every_mode_logs_to_tensorboard(main_job) -> None:
                 assert moved and all(v >= 0 and v == int(v) for v in moved)
             if mode == "source":
                 assert "balance/source_balanced" in tags
+            if mode == "encoder":  # its metrics, and the returns' phase per rank
+                assert {"balance/encoder_moved_images", "balance/encoder_bytes"} <= tags
+                assert {f"straggler/encoder_return_ms/rank_{k}" for k in (0, 1)} <= tags
     acc = _scalars(summary["modes"]["off"]["log_dir"])
     loss = [e.value for e in acc.Scalars("train/loss")]
     assert len(loss) >= 3 and loss[-1] < loss[0]  # it learns
