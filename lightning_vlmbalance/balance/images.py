@@ -24,8 +24,11 @@ result, and tests each ``C`` with a packing that keeps images at home first:
    fits them (best fit, which keeps large holes for large images).
 
 If that packing fails at a ``C``, plain best fit of every image, largest first, is tried at
-the same ``C``. The smallest ``C`` that packs is the plan; it is
-never worse than the greedy, nor than leaving every image at home (both are candidates).
+the same ``C`` (and at every tighter one). The bound is tried first: where it packs, the search
+ends there. The smallest ``C`` that packs is the plan; it is never worse than the greedy, nor
+than leaving every image at home (both are candidates). When every rank has the same base
+load, the plan's sets of images are then handed to the ranks so that as much image cost as
+possible stays at home (a greedy matching): the loads stay, the moves drop.
 
 ``bound`` is a lower bound of the largest load over all assignments: the largest of the mean
 load, the largest base load, for each ``k`` the least base load plus ``k + 1`` times the
@@ -170,6 +173,8 @@ def plan_images(base: np.ndarray, cost: np.ndarray, home: np.ndarray) -> ImagePl
         return ImagePlan(home.copy(), home, load_home, load_home, bound)
     order = np.argsort(-cost, kind="stable")  # largest first; ties by image index
     encoder = _plan(base, cost, home, order, bound)
+    if np.all(base == base[0]):  # equal ranks: any rank may take any rank's set of images
+        encoder = _keep_home(encoder, home, cost, R)
     load = base + np.bincount(encoder, weights=cost, minlength=R)
     if load.max() >= load_home.max():  # never worse than not moving
         return ImagePlan(home.copy(), home, load_home, load_home, bound)
@@ -194,18 +199,53 @@ def order_micro_steps(vision: np.ndarray) -> np.ndarray:
         ``(R, G)`` int64: ``order[r, m]`` is the micro-step (column of ``vision``) of the pack
         rank ``r`` computes at micro-step ``m``.
     """
-    vision = np.asarray(vision, dtype=np.float64)
+    vision = np.ascontiguousarray(vision, dtype=np.float64)
+    if vision.shape[1] == 1:
+        return np.zeros(vision.shape, dtype=np.int64)
+    return _order(vision, np.argsort(-vision.std(axis=1), kind="stable"))
+
+
+@njit(cache=True, nogil=True)
+def _order(vision: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     R, G = vision.shape
-    order = np.tile(np.arange(G, dtype=np.int64), (R, 1))
-    if G == 1:
-        return order
+    order = np.empty((R, G), dtype=np.int64)
     totals = np.zeros(G)
-    for r in np.argsort(-vision.std(axis=1), kind="stable"):
-        heaviest = np.argsort(-vision[r], kind="stable")
-        emptiest = np.argsort(totals, kind="stable")
-        order[r, emptiest] = heaviest
-        totals[emptiest] += vision[r, heaviest]
+    for r in ranks:
+        heaviest = np.argsort(-vision[r], kind="mergesort")
+        emptiest = np.argsort(totals, kind="mergesort")
+        for k in range(G):
+            order[r, emptiest[k]] = heaviest[k]
+            totals[emptiest[k]] += vision[r, heaviest[k]]
     return order
+
+
+def _keep_home(encoder: np.ndarray, home: np.ndarray, cost: np.ndarray, R: int) -> np.ndarray:
+    """The same sets of images, handed to the ranks so that the most image cost stays at home:
+    a greedy matching of sets to ranks, heaviest shared cost first (the sets' loads, hence the
+    plan's, are unchanged when every rank has the same base)."""
+    pair, inverse = np.unique(encoder * R + home, return_inverse=True)
+    shared = np.bincount(inverse, weights=cost + 1e-9)  # + ties: an image counts if its cost is 0
+    taker = _match(pair // R, pair % R, shared, R)
+    return taker[encoder]
+
+
+@njit(cache=True, nogil=True)
+def _match(sets: np.ndarray, ranks: np.ndarray, weight: np.ndarray, R: int) -> np.ndarray:
+    """``taker[s]``: the rank given set ``s``; pairs by decreasing weight, then the rest in
+    order."""
+    taker = np.full(R, -1, dtype=np.int64)
+    taken = np.zeros(R, dtype=np.bool_)
+    for k in np.argsort(-weight, kind="mergesort"):
+        s, r = sets[k], ranks[k]
+        if taker[s] < 0 and not taken[r]:
+            taker[s], taken[r] = r, True
+    free = 0
+    for s in range(R):
+        if taker[s] < 0:
+            while taken[free]:
+                free += 1
+            taker[s], taken[free] = free, True
+    return taker
 
 
 @njit(cache=True, nogil=True)
@@ -285,15 +325,23 @@ def _plan(
         load[best[n]] += cost[n]
     hi, lo = load.max(), bound
     trial = np.empty(len(cost), dtype=np.int64)
-    if _fits(base, cost, home, order, hi, True, trial):  # the greedy's load, fewer moves
+    home_first = _fits(base, cost, home, order, hi, True, trial)  # the greedy's load, fewer moves
+    if home_first:
         best[:] = trial
+    # the bound is often reached: one packing at it ends the search
+    if hi > lo and (
+        _fits(base, cost, home, order, lo, True, trial)
+        or _fits(base, cost, home, order, lo, False, trial)
+    ):
+        best[:] = trial
+        return best
     for _ in range(_BISECTIONS):
         if hi - lo <= _REL_GAP * hi:
             break
         mid = 0.5 * (lo + hi)
-        if _fits(base, cost, home, order, mid, True, trial) or _fits(
-            base, cost, home, order, mid, False, trial
-        ):
+        # once keeping images home first fails, a tighter load will not bring it back
+        home_first = home_first and _fits(base, cost, home, order, mid, True, trial)
+        if home_first or _fits(base, cost, home, order, mid, False, trial):
             hi = mid
             best[:] = trial
         else:
