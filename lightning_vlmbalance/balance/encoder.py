@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -154,43 +155,48 @@ def encode_images(
         out = encoder(pixels, batch["image_cu_seqlens"], batch["image_max_seqlen"])
         _check_rows(encoder, out, int(pixels.shape[0]), int(pixels.shape[0]))
         return out
-    sizes = route.own_sizes
-    offsets = [0]
-    for s in sizes:
-        offsets.append(offsets[-1] + s)
-    if offsets[-1] != int(pixels.shape[0]):
+    sizes = np.asarray(route.own_sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    if starts[-1] != int(pixels.shape[0]):
         raise ValueError(
-            f"encoder_route: the pack's images have {offsets[-1]} rows but pixel_values has"
+            f"encoder_route: the pack's images have {starts[-1]} rows but pixel_values has"
             f" {int(pixels.shape[0])}"
         )
-    received = batch["encoder_pixels"]
-    foreign_sizes = [s for per_rank in route.recv_sizes for s in per_rank]
-    local_sizes = [sizes[i] for i in route.keep] + foreign_sizes
-    pieces = [pixels[offsets[i] : offsets[i + 1]] for i in route.keep]
-    local = torch.cat([*pieces, received.to(device=pixels.device, dtype=pixels.dtype)])
+    keep = np.asarray(route.keep, dtype=np.int64)
+    sent = np.asarray([i for per_rank in route.send for i in per_rank], dtype=np.int64)
+    received = batch["encoder_pixels"].to(device=pixels.device, dtype=pixels.dtype)
+    local_sizes = [*sizes[keep].tolist(), *(n for per_rank in route.recv_sizes for n in per_rank)]
+    kept_rows = _rows_of(keep, starts, sizes)  # this pack's rows encoded here, in keep order
+    local = torch.cat([pixels.index_select(0, _index(kept_rows, pixels)), received])
     cu = torch.zeros(len(local_sizes) + 1, dtype=torch.int32)
     if local_sizes:
         cu[1:] = torch.cumsum(torch.tensor(local_sizes, dtype=torch.int32), 0)
     out = encoder(local, cu.to(pixels.device), max(local_sizes, default=0))
     _check_rows(encoder, out, sum(local_sizes), int(local.shape[0]))
-    kept_rows = sum(sizes[i] for i in route.keep)
     send_back = [sum(per_rank) for per_rank in route.recv_sizes]  # to each image's owner
-    expect = [sum(sizes[i] for i in per_rank) for per_rank in route.send]  # from each encoder
-    returned = _ReturnEmbeddings.apply(out[kept_rows:], send_back, expect, _GROUPS.get(route.group))
-    # the pack's own order: kept images from ``out``, the others from what came back
-    by_image: list[torch.Tensor | None] = [None] * len(sizes)
-    at = 0
-    for i in route.keep:
-        by_image[i] = out[at : at + sizes[i]]
-        at += sizes[i]
-    at = 0
-    for per_rank in route.send:
-        for i in per_rank:
-            by_image[i] = returned[at : at + sizes[i]]
-            at += sizes[i]
-    # ``returned`` always joins the result, even with no row: its backward (a collective that
-    # every rank of the group must enter) then runs on every rank, also where no image went out
-    return torch.cat([*by_image, returned[:0]])  # type: ignore[list-item]
+    expect = [int(sizes[per_rank].sum()) for per_rank in route.send]  # from each encoder
+    n = len(kept_rows)
+    returned = _ReturnEmbeddings.apply(out[n:], send_back, expect, _GROUPS.get(route.group))
+    # [kept images' rows, returned rows] -> the pack's own row order, in one gather (its
+    # backward one scatter). ``returned`` always joins it, even with no row: its backward (a
+    # collective every rank of the group must enter) then runs on every rank
+    position = np.empty(int(starts[-1]), dtype=np.int64)
+    position[np.concatenate([kept_rows, _rows_of(sent, starts, sizes)])] = np.arange(len(position))
+    return torch.cat([out[:n], returned]).index_select(0, _index(position, out))
+
+
+def _rows_of(images: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The rows of ``images`` (in that order) of a pack whose image ``i`` has rows
+    ``starts[i] : starts[i] + sizes[i]``."""
+    if not len(images):
+        return np.zeros(0, dtype=np.int64)
+    counts = sizes[images]
+    first = np.repeat(starts[images] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    return first + np.arange(int(counts.sum()))
+
+
+def _index(rows: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(rows).to(like.device, non_blocking=True)
 
 
 def _check_rows(encoder: Any, out: torch.Tensor, expected: int, given: int) -> None:
