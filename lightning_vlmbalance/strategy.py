@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
+import multiprocessing.context as mpc
 import signal
 import sys
 from collections.abc import Generator
@@ -341,6 +343,9 @@ class _WorkersIgnoreSigterm:
     def __call__(self, worker_id: int) -> None:
         # a no-op handler, not SIG_IGN: a program the worker execs gets the default back
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        # the worker was started with SIGTERM blocked (_sigterm_blocked_start): one sent since
+        # is delivered now, to the no-op handler
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         if self.init_fn is not None:
             self.init_fn(worker_id)
 
@@ -356,6 +361,67 @@ class _WorkersIgnoreSigterm:
             return
         seam.add_lightning_worker_init_fn(inner, rank)
         inner.worker_init_fn = cls(inner.worker_init_fn)
+        # a worker lives from its fork to its worker_init_fn with torch's SIGTERM handler, which
+        # dies of a signal its parent did not send: at every pass's start (new workers) a signal
+        # to the process group would kill one. Workers start with SIGTERM blocked instead.
+        if inner.num_workers > 0:
+            inner.multiprocessing_context = _sigterm_blocked_start(inner.multiprocessing_context)
+
+
+class _BlockSigtermAtStart:
+    """A ``multiprocessing`` process whose ``start`` blocks SIGTERM in the calling thread for the
+    fork: the child inherits the mask (a SIGTERM to the parent meanwhile is delivered right
+    after)."""
+
+    def start(self) -> None:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            super().start()  # type: ignore[misc]
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _ForkProcess(_BlockSigtermAtStart, mpc.ForkProcess):
+    pass
+
+
+class _SpawnProcess(_BlockSigtermAtStart, mpc.SpawnProcess):
+    pass
+
+
+class _ForkServerProcess(_BlockSigtermAtStart, mpc.ForkServerProcess):
+    pass
+
+
+class _ForkContext(mpc.ForkContext):
+    Process = _ForkProcess
+    _sigterm_blocked = True
+
+
+class _SpawnContext(mpc.SpawnContext):
+    Process = _SpawnProcess
+    _sigterm_blocked = True
+
+
+class _ForkServerContext(mpc.ForkServerContext):
+    Process = _ForkServerProcess
+    _sigterm_blocked = True
+
+
+_BLOCKED = {"fork": _ForkContext, "spawn": _SpawnContext, "forkserver": _ForkServerContext}
+
+
+def _sigterm_blocked_start(context: Any) -> Any:
+    """``context`` (a multiprocessing context, its name, or ``None`` for the default) whose
+    processes start with SIGTERM blocked. ``_WorkersIgnoreSigterm`` unblocks it in the worker
+    once it ignores the signal. A context of another kind is returned as it is."""
+    if getattr(context, "_sigterm_blocked", False):
+        return context
+    method = context if isinstance(context, str) or context is None else None
+    if method is None:
+        method = getattr(context, "_name", None)
+    blocked = _BLOCKED.get(method or multiprocessing.get_start_method())
+    return context if blocked is None else blocked()
 
 
 def _config_from(

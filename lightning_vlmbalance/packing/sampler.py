@@ -638,6 +638,22 @@ class PackedDataLoader:
             self._inner.worker_init_fn = fn
 
     @property
+    def num_workers(self) -> int:
+        """The inner ``DataLoader``'s worker processes (``0``: the main process loads)."""
+        return int(self.dataloader_kwargs.get("num_workers", 0))
+
+    @property
+    def multiprocessing_context(self) -> Any:
+        """The inner ``DataLoader``'s (how its workers start; ``None``: the default)."""
+        return self.dataloader_kwargs.get("multiprocessing_context")
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, context: Any) -> None:
+        self.dataloader_kwargs["multiprocessing_context"] = context
+        if self._inner is not None:
+            self._inner.multiprocessing_context = context
+
+    @property
     def start(self) -> int:
         """Position in this rank's packs where the current pass started (> 0 after a resume)."""
         return self._start if self._iter_epoch == self.sampler.epoch else 0

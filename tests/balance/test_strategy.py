@@ -269,6 +269,8 @@ def _one_rank_fit(rank: int, world: int, case: str) -> dict:
                 fn = fn.init_fn
             key = "packed" if isinstance(loader, vb.PackedDataLoader) else "plain"
             seen[key] = isinstance(fn, partial) and fn.func is pl_worker_init_function
+            # its workers start with SIGTERM blocked (until the wrapper ignores it)
+            seen[f"{key}_blocked"] = getattr(inner.multiprocessing_context, "_sigterm_blocked", 0)
             return super().training_step(batch, batch_idx)
 
     trainer = cpu_trainer(
@@ -301,4 +303,38 @@ def test_seed_everything_seeds_the_workers_the_strategy_runs() -> None:
 
     status, seen = run_ranks(_one_rank_fit, 1, "seeded_workers", start_method="forkserver")[0]
     assert status == "ok", seen
-    assert seen == {"plain": True, "packed": True}
+    assert seen == {"plain": True, "packed": True, "plain_blocked": True, "packed_blocked": True}
+
+
+def _blocked_in_child(queue) -> None:
+    import signal
+
+    from lightning_vlmbalance.strategy import _WorkersIgnoreSigterm
+
+    before = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    _WorkersIgnoreSigterm(None)(0)  # what a worker runs first
+    after = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    queue.put((before, after))
+
+
+def test_workers_start_with_sigterm_blocked_until_they_ignore_it() -> None:
+    """A signal to the process group as a pass starts its workers must not kill one between its
+    fork and its worker_init_fn (torch's handler dies of a SIGTERM its parent did not send):
+    the strategy's worker context starts each worker with SIGTERM blocked, the wrapper ignores
+    it and unblocks it; the parent's own mask is left as it was."""
+    import multiprocessing
+    import signal
+
+    from lightning_vlmbalance.strategy import _sigterm_blocked_start
+
+    for method in ("fork", "spawn"):
+        context = _sigterm_blocked_start(method)
+        assert _sigterm_blocked_start(context) is context  # once
+        queue = context.SimpleQueue()
+        child = context.Process(target=_blocked_in_child, args=(queue,))
+        child.start()
+        assert queue.get() == (True, False), method
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert _sigterm_blocked_start(None).get_start_method() == multiprocessing.get_start_method()
