@@ -12,12 +12,12 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_vlmbalance as vb
-from tests.balance.fits import fit as _fit
+from harness.jobs import check, result, run_jobs, selected
 from tests.balance.fits import fit_result as _result
 from tests.balance.fits import job as _job
 from tests.balance.fits import max_rel_diff as _max_rel_diff
 from tests.balance.fits import packs as _packs
-from tests.launch import run_module_raw, run_modules, run_nodes
+from tests.launch import run_modules, run_nodes
 
 # 300 samples: 14 optimizer steps of 3 micro-batches per rank in the epoch; dense MLPs (tensor
 # parallelism splits them; MoE under FSDP: test_every_callback_composes)
@@ -26,21 +26,56 @@ FSDP = ("--strategy", "fsdp_vlmbalance")
 
 
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory) -> dict:
-    """One epoch each of plain FSDP2 and fsdp_vlmbalance in every mode, float64."""
+def jobs(request, tmp_path_factory) -> dict:
+    """The single-node jobs of this module's selected tests (``@pytest.mark.jobs``), two at a
+    time: one epoch each of plain FSDP2 and fsdp_vlmbalance in every mode (float64), the resumes
+    from their step-4 checkpoints (``after``), a failing rank, every callback, and tensor
+    parallelism on 4 processes."""
     root = tmp_path_factory.mktemp("fsdp_fits")
     every4 = ("--checkpoint-every", "4")
-    jobs = {
+
+    def step4(name: str) -> str:
+        return str(root / name / "ckpt" / "step=4.ckpt")
+
+    args = {  # the longest first
+        "tp": (*FSDP, *EPOCH, "--tp", "2", "--devices", "4"),
         "fsdp": ("--strategy", "fsdp", *EPOCH, *every4),
         "overlap": (*FSDP, "--mode", "overlap", *EPOCH, *every4),
         "sync": (*FSDP, "--mode", "sync", *EPOCH),
         "off": (*FSDP, "--mode", "off", *EPOCH),
         "no_sync_accumulation": (*FSDP, "--no-sync-accumulation", *EPOCH),
+        "callbacks": (
+            *(*FSDP, "--all-callbacks", "--precision", "32-true"),
+            *("--max-steps", "4", "--accumulate", "2"),
+        ),
+        "fail": (*FSDP, "--fail-rank", "1", "--fail-at", "3", "--exchange-timeout-s", "10"),
+        "resumed_overlap": (*FSDP, *EPOCH, "--resume", step4("overlap")),
+        "resumed_fsdp": ("--strategy", "fsdp", *EPOCH, "--resume", step4("fsdp")),
     }
-    run_modules([_job(root / name, *args) for name, args in jobs.items()])
-    return {"root": root, **{name: _result(root / name) for name in jobs}}
+    after = {"resumed_overlap": ["overlap"], "resumed_fsdp": ["fsdp"]}
+    procs = run_jobs(
+        {name: _job(root / name, *a) for name, a in selected(request, args, after).items()},
+        after=after,
+        timeouts={"fail": 240},  # a hang runs into it: an error of the test
+    )
+    return {"root": root, "procs": procs}
 
 
+def _fit_of(jobs: dict, name: str) -> dict:
+    check(result(jobs["procs"], name))
+    return _result(jobs["root"] / name)
+
+
+FITS = ("fsdp", "overlap", "sync", "off", "no_sync_accumulation")
+
+
+@pytest.fixture(scope="module")
+def fits(jobs) -> dict:
+    """One epoch each of plain FSDP2 and fsdp_vlmbalance in every mode, float64."""
+    return {"root": jobs["root"], **{name: _fit_of(jobs, name) for name in FITS}}
+
+
+@pytest.mark.jobs(*FITS)
 @pytest.mark.parametrize("mode", ["overlap", "sync", "off", "no_sync_accumulation"])
 def test_same_parameters_as_plain_fsdp(fits, mode) -> None:
     """Float64, accumulation 3, 2 ranks: every mode ends with plain FSDP2's parameters, which
@@ -61,6 +96,7 @@ def test_same_parameters_as_plain_fsdp(fits, mode) -> None:
         assert moved > 0, f"{mode}: nothing changed rank, the test would prove nothing"
 
 
+@pytest.mark.jobs(*FITS)
 @pytest.mark.parametrize("mode", ["overlap", "sync"])
 def test_every_sample_once_per_epoch(fits, mode) -> None:
     ids = sorted(
@@ -69,58 +105,38 @@ def test_every_sample_once_per_epoch(fits, mode) -> None:
     assert ids == list(range(300))
 
 
-def test_resume_from_a_sharded_checkpoint(fits, tmp_path) -> None:
+@pytest.mark.jobs(*FITS, "resumed_overlap", "resumed_fsdp")
+def test_resume_from_a_sharded_checkpoint(fits, jobs) -> None:
     """Stop after step 4, resume from its distributed checkpoint (a folder of shards): the same
     packs in the same places as the uninterrupted run, and plain FSDP2's parameters resumed the
     same way."""
-    root = fits["root"]
-    ckpt = root / "overlap" / "ckpt" / "step=4.ckpt"
+    ckpt = fits["root"] / "overlap" / "ckpt" / "step=4.ckpt"
     assert ckpt.is_dir() and any(ckpt.iterdir())  # sharded, not one file
-    resumed = _fit(tmp_path / "overlap", *FSDP, *EPOCH, "--resume", str(ckpt))
+    resumed = _fit_of(jobs, "resumed_overlap")
     for r in (0, 1):  # 4 optimizer steps x 3 micro-batches were done before the checkpoint
         assert resumed[r]["seen"] == fits["overlap"][r]["seen"][4 * 3 :]
-    plain = _fit(
-        tmp_path / "fsdp",
-        "--strategy",
-        "fsdp",
-        *EPOCH,
-        "--resume",
-        str(root / "fsdp" / "ckpt" / "step=4.ckpt"),
-    )
+    plain = _fit_of(jobs, "resumed_fsdp")
     assert _max_rel_diff(resumed["params"], plain["params"]) < 1e-10
 
 
-def test_a_rank_failing_in_its_exchange_stops_every_rank(tmp_path) -> None:
+@pytest.mark.jobs("fail")
+def test_a_rank_failing_in_its_exchange_stops_every_rank(jobs) -> None:
     """Rank 1 raises inside its exchange: the job stops, no hang (a hang runs into the
-    subprocess timeout, an error of the test)."""
-    proc = run_module_raw(
-        *_job(tmp_path, *FSDP, "--fail-rank", "1", "--fail-at", "3"),
-        "--exchange-timeout-s",
-        "10",
-        timeout=240,
-    )
-    assert proc.returncode != 0
+    job's timeout, an error of the test)."""
+    proc = result(jobs["procs"], "fail")
+    assert not proc.timed_out and proc.returncode != 0
     assert "failed on purpose" in proc.stderr or "ExchangeError" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_every_callback_composes(tmp_path) -> None:
+@pytest.mark.jobs("callbacks")
+def test_every_callback_composes(jobs) -> None:
     """StragglerMonitor, ActivationOffload and CompiledMoERouting with fsdp_vlmbalance."""
-    run = _fit(
-        tmp_path,
-        *FSDP,
-        "--all-callbacks",
-        "--precision",
-        "32-true",
-        "--max-steps",
-        "4",
-        "--accumulate",
-        "2",
-    )
+    run = _fit_of(jobs, "callbacks")
     assert run[0]["optimizer_steps"] == 4
     assert all(torch.isfinite(v.float()).all() for v in run["params"].values())
     lines = [
         json.loads(line)
-        for path in sorted((tmp_path / "straggler").glob("rank_*.jsonl"))
+        for path in sorted((jobs["root"] / "callbacks" / "straggler").glob("rank_*.jsonl"))
         for line in path.read_text().splitlines()
     ]
     assert {line["rank"] for line in lines} == {0, 1}
@@ -131,18 +147,20 @@ def test_every_callback_composes(tmp_path) -> None:
     assert all(line["phases_ms"]["sync_wait"] == 0 for line in lines)
 
 
-def test_tensor_parallel_ranks_compute_the_same_packs(fits, tmp_path) -> None:
+@pytest.mark.jobs("fsdp", "tp")
+def test_tensor_parallel_ranks_compute_the_same_packs(jobs) -> None:
     """Data-parallel 2 x tensor-parallel 2 on 4 processes (DTensor on gloo): each
     tensor-parallel pair trains the same packs, plans and exchanges run among the data-parallel
     peers (packs move), and the parameters equal plain FSDP2 on 2 data-parallel ranks (the same
     global batches, the MLPs split across the pair)."""
-    run = _fit(tmp_path, *FSDP, *EPOCH, "--tp", "2", "--devices", "4")
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text())["seen"] for r in range(4)]
+    run, plain = _fit_of(jobs, "tp"), _fit_of(jobs, "fsdp")
+    out = jobs["root"] / "tp"
+    seen = [json.loads((out / f"rank{r}.json").read_text())["seen"] for r in range(4)]
     assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]
-    stats = json.loads((tmp_path / "stats0.json").read_text())
+    stats = json.loads((out / "stats0.json").read_text())
     assert sum(s["moved_packs"] for s in stats["stats"]) > 0
     assert stats["dtensor_params"] > 0
-    assert _max_rel_diff(run["params"], fits["fsdp"]["params"]) < 1e-10
+    assert _max_rel_diff(run["params"], plain["params"]) < 1e-10
 
 
 NODES_STEPS = ("--samples", "300", "--max-steps", "8", "--accumulate", "3", "--dense")

@@ -127,7 +127,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="vlmbalance")
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--window", type=int, default=16)
