@@ -49,7 +49,6 @@ from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from_meta
 from lightning_vlmbalance.balance.encoder import register_group, route_for
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, wait_pack_ready
-from lightning_vlmbalance.balance.images import order_micro_steps, plan_images
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import optimizer_steps, weigh_step
 from lightning_vlmbalance.packing.sampler import PackedDataLoader
@@ -506,6 +505,9 @@ class RebalancingLoader:
         encoded, and each batch is given its ``encoder_route`` and ``encoder_pixels`` (see
         :mod:`~lightning_vlmbalance.balance.encoder`). Returns this rank's batches in order and
         the statistics."""
+        # numba's import (about 0.1 s) only in the processes that balance images
+        from lightning_vlmbalance.balance.images import order_micro_steps, plan_images
+
         W, G, r = self.world_size, len(batches), self.rank
         start = time.perf_counter()
         sizes = self._gather_image_sizes(batches, features)  # (W * G, K), rows per image

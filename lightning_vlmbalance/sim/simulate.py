@@ -57,7 +57,6 @@ import numpy as np
 
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
-from lightning_vlmbalance.balance.images import order_micro_steps, plan_images
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
 from lightning_vlmbalance.packing.plan import (
@@ -288,6 +287,8 @@ class _PackImages:
         language model plus the slowest encoder work), the returns' time (embeddings and
         gradients, on the step path), the pixels' transfer time (in the rebalancing thread) and
         the images moved."""
+        from lightning_vlmbalance.balance.images import plan_images  # numba: when used
+
         R, G = placed.shape
         busy = returns = moved = 0.0
         src: list[np.ndarray] = []
@@ -650,6 +651,8 @@ def _run(
         placed = draw.reshape(R, G)
         exposed_ms = ex_ms = 0.0
         if strategy == "encoder_overlap":  # micro-steps of even vision work, no pack moves
+            from lightning_vlmbalance.balance.images import order_micro_steps
+
             order = order_micro_steps(p.images.vision_ms[placed])
             placed = np.take_along_axis(placed, order, axis=1)
         if strategy in ("sync", "overlap") and R > 1:

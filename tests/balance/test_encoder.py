@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -205,7 +206,7 @@ def test_a_per_image_field_the_balancer_does_not_know_is_refused_by_name() -> No
 
 # -- real fits: the same parameters as without encoder balancing ------------------------------
 
-SHORT = ("--max-steps", "4", "--samples", "240")
+SHORT = ("--max-steps", "3", "--samples", "240")
 
 
 def _args(strategy: str, accumulate: int, *extra: str, devices: int = 2) -> tuple[str, ...]:
@@ -216,7 +217,7 @@ def _args(strategy: str, accumulate: int, *extra: str, devices: int = 2) -> tupl
     )
 
 
-FITS = {  # the longest first (4 ranks)
+FITS = {  # the longest first (4 ranks: with `pytest -m suite`)
     "ddp4_ga3": _args("ddp", 3, devices=4),
     "overlap4_ga3": _args("vlmbalance", 3, "--encoder", devices=4),
     # baselines: no encoder balancing (plain DDP / FSDP2: the same math as every mode)
@@ -251,9 +252,14 @@ def fits(request, tmp_path_factory) -> dict:
     return {"root": root, "procs": procs}
 
 
-@pytest.mark.parametrize(
-    ("run", "baseline"), [pytest.param(*p, marks=pytest.mark.jobs(*p), id=p[0]) for p in PAIRS]
-)
+def _pair(run: str, baseline: str) -> Any:
+    marks = [pytest.mark.jobs(run, baseline)]
+    if "4_" in run:  # 4 processes on 2 cores: the longest fits, among the full suites
+        marks.append(pytest.mark.suite)
+    return pytest.param(run, baseline, marks=marks, id=run)
+
+
+@pytest.mark.parametrize(("run", "baseline"), [_pair(*p) for p in PAIRS])
 def test_same_parameters_with_images_moved(fits, run, baseline) -> None:
     """Float64: a fit whose images are encoded on other ranks ends with the parameters of the
     same fit without encoder balancing, to 1e-10 relative; images did move."""
