@@ -74,7 +74,7 @@ from packing import DEFAULT_FILES, SHARED_DATA, BenchmarkError, load
 from planner import replicate
 
 from lightning_vlmbalance.balance import CostModel, features_from_packs
-from lightning_vlmbalance.balance.images import order_micro_steps, plan_images
+from lightning_vlmbalance.balance.images import PackImages, order_micro_steps, plan_images
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
 from lightning_vlmbalance.sim.cli import comma_list
 from lightning_vlmbalance.synthetic import LengthTable
@@ -152,13 +152,9 @@ def mixes_of(args: argparse.Namespace) -> dict[str, list[Path] | None]:
 @dataclass(frozen=True)
 class RankImages:
     """The first packs of every rank and their images: global pack ``p = r * P + k`` is rank
-    ``r``'s ``k``-th pack and holds images ``offsets[p]:offsets[p + 1]`` of ``cost_ms``."""
+    ``r``'s ``k``-th pack (``images``: the package's ``PackImages`` of those packs)."""
 
-    offsets: np.ndarray  # (dp * P + 1,)
-    cost_ms: np.ndarray  # each image's encoder forward + backward
-    llm_ms: np.ndarray  # (dp * P,) each pack's language model, forward + backward
-    vision_ms: np.ndarray  # (dp * P,) each pack's images together, without the per-call cost
-    per_call_ms: float
+    images: PackImages
     packs_per_rank: int
     efficiency: float
     samples: int
@@ -187,42 +183,14 @@ def rank_images(table: LengthTable, dp: int, packs_needed: int, args) -> RankIma
     else:  # pragma: no cover - the estimate is generous
         raise BenchmarkError(f"could not form {packs_needed} packs per rank at dp={dp}")
     flat = [p for r in range(dp) for p in plan.rank_packs[r][:packs_needed]]
-    sizes = np.array([len(p) for p in flat], dtype=np.int64)
-    packs = Packs(
-        positions=np.concatenate(flat).astype(np.int64),
-        offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-    )
-    cost_model = CostModel()
-    feats = features_from_packs(packs, t, i, n)
-    llm_ms = cost_model.llm_cost_ms(feats)
-    llm_ms[feats["total_tokens"] == 0] = 0.0  # a padding pack computes nothing
-    # a sample's image tokens split evenly over its images, the remainder to the first ones
-    count = n[packs.positions]
-    whole = i[packs.positions]
-    owner = np.repeat(np.arange(len(count)), count)
-    nth = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
-    tokens = whole[owner] // count[owner] + (nth < whole[owner] % count[owner])
-    offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)[packs.offsets]
-    cost_ms, per_call = cost_model.image_cost_ms(tokens)
-    summed = np.concatenate([[0.0], np.cumsum(cost_ms)])
+    packs = Packs.from_lists(flat)
+    pack_images = PackImages.of(packs, features_from_packs(packs, t, i, n), i, n, CostModel())
     return RankImages(
-        offsets=offsets,
-        cost_ms=cost_ms,
-        llm_ms=llm_ms,
-        vision_ms=summed[offsets[1:]] - summed[offsets[:-1]],
-        per_call_ms=per_call,
+        images=pack_images,
         packs_per_rank=packs_needed,
         efficiency=plan.efficiency,
         samples=len(t),
     )
-
-
-def _images_of(data: RankImages, packs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The costs of the images of ``packs`` (one per rank) and each image's home rank."""
-    first, last = data.offsets[packs], data.offsets[packs + 1]
-    index = np.concatenate([np.arange(a, b) for a, b in zip(first, last)]).astype(np.int64)
-    home = np.repeat(np.arange(len(packs), dtype=np.int64), last - first)
-    return data.cost_ms[index], home
 
 
 def _check(plan, base: np.ndarray, cost: np.ndarray, dp: int) -> list[str]:
@@ -250,8 +218,8 @@ def _waste(ideal: float, step: float) -> float:
 
 
 def run_config(data: RankImages, dp: int, ga: int, args: argparse.Namespace) -> dict:
-    P = data.packs_per_rank
-    base = np.full(dp, data.per_call_ms)
+    P, pack_images = data.packs_per_rank, data.images
+    base = np.full(dp, pack_images.per_call_ms)
     sums = dict.fromkeys(("off", "planned", "bound", "moved", "images"), 0.0)
     call_ms: list[float] = []
     batch_ms: list[float] = []
@@ -262,7 +230,7 @@ def run_config(data: RankImages, dp: int, ga: int, args: argparse.Namespace) -> 
         read = (np.arange(dp, dtype=np.int64) * P)[:, None] + b * ga + np.arange(ga)  # (dp, ga)
         placed = read
         if ga > 1:
-            steps, seconds = timed(order_micro_steps, data.vision_ms[read])
+            steps, seconds = timed(order_micro_steps, pack_images.vision_ms[read])
             order_ms.append(seconds * 1e3)
             if not np.array_equal(
                 np.sort(steps, axis=1), np.broadcast_to(np.arange(ga), steps.shape)
@@ -273,12 +241,13 @@ def run_config(data: RankImages, dp: int, ga: int, args: argparse.Namespace) -> 
         moved = images = 0
         spent = 0.0
         for m in range(ga):
-            llm = data.llm_ms[read[:, m]]
-            load_home = data.per_call_ms + data.vision_ms[read[:, m]]
+            llm = pack_images.llm_ms[read[:, m]]
+            load_home = pack_images.per_call_ms + pack_images.vision_ms[read[:, m]]
             step_off += float((llm + load_home).max())
             ideal += float((llm + load_home).mean())
             packs = placed[:, m]
-            cost, home = _images_of(data, packs)
+            index, home = pack_images.of_micro_step(packs)
+            cost = pack_images.cost_ms[index]
             if not warm:  # numba's compilation (or cache load) and first-touch costs
                 plan_images(base, cost, home)
                 warm = True
@@ -286,7 +255,7 @@ def run_config(data: RankImages, dp: int, ga: int, args: argparse.Namespace) -> 
             call_ms.append(seconds * 1e3)
             spent += seconds * 1e3
             failures += [f"batch {b} micro-step {m}: {bad}" for bad in _check(plan, base, cost, dp)]
-            llm = data.llm_ms[packs]
+            llm = pack_images.llm_ms[packs]
             step_planned += float(llm.max() + plan.load.max())
             step_bound += float(llm.max() + plan.bound)
             moved += plan.moved_images
@@ -328,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                         "mix": mix,
                         **row,
                         "packing_efficiency": round(data.efficiency, 6),
-                        "per_call_ms": round(data.per_call_ms, 4),
+                        "per_call_ms": round(data.images.per_call_ms, 4),
                     }
                 )
     return {

@@ -40,12 +40,16 @@ images of two sizes, 645 and 1,075, no rank load lies between 3,010 and 3,225, s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
 
-__all__ = ["ImagePlan", "image_bound", "order_micro_steps", "plan_images"]
+from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.packing.binpack import Packs
+
+__all__ = ["ImagePlan", "PackImages", "image_bound", "order_micro_steps", "plan_images"]
 
 _BISECTIONS = 40  # at most; stops when the interval is below _REL_GAP of the load
 _REL_GAP = 1e-4
@@ -87,6 +91,56 @@ class ImagePlan:
     def waste_bound(self) -> float:
         """The least waste any assignment could reach (the mean load over :attr:`bound`)."""
         return _waste(self.load.mean(), self.bound)
+
+
+@dataclass(frozen=True)
+class PackImages:
+    """Every pack's images, from a length table (which has no per-image sizes): pack ``i``
+    holds images ``offsets[i]:offsets[i + 1]`` of ``tokens`` / ``cost_ms``, a sample's image
+    tokens split evenly over its images (the remainder to the first); ``llm_ms`` is each
+    pack's language model (zero for an empty padding pack), ``per_call_ms`` the encoder's cost
+    per call. What the simulator and ``benchmarks/encoder_planning.py`` plan with."""
+
+    offsets: np.ndarray
+    tokens: np.ndarray
+    cost_ms: np.ndarray
+    llm_ms: np.ndarray
+    per_call_ms: float
+
+    @classmethod
+    def of(
+        cls,
+        packs: Packs,
+        features: Mapping[str, np.ndarray],
+        image_tokens: np.ndarray,
+        images: np.ndarray,
+        cost_model: CostModel,
+    ) -> PackImages:
+        """``packs`` over a table's ``image_tokens`` and ``images`` columns; ``features``
+        their cost features (``features_from_packs``)."""
+        count = images[packs.positions]  # per sample of the packs, in pack order
+        whole = image_tokens[packs.positions]
+        owner = np.repeat(np.arange(len(count)), count)
+        nth = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
+        tokens = whole[owner] // count[owner] + (nth < whole[owner] % count[owner])
+        offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)[packs.offsets]
+        cost_ms, per_call = cost_model.image_cost_ms(tokens)
+        llm_ms = cost_model.llm_cost_ms(features)
+        llm_ms[features["total_tokens"] == 0] = 0.0
+        return cls(offsets, tokens, cost_ms, llm_ms, per_call)
+
+    @property
+    def vision_ms(self) -> np.ndarray:
+        """Each pack's images' encoder cost (without the per-call cost)."""
+        total = np.concatenate([[0.0], np.cumsum(self.cost_ms)])
+        return total[self.offsets[1:]] - total[self.offsets[:-1]]
+
+    def of_micro_step(self, packs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The images of ``packs`` (the pack of each rank at one micro-step): their indices
+        into ``tokens`` / ``cost_ms`` and each one's home rank."""
+        first, last = self.offsets[packs], self.offsets[packs + 1]
+        index = np.concatenate([np.arange(a, b) for a, b in zip(first, last)]).astype(np.int64)
+        return index, np.repeat(np.arange(len(packs), dtype=np.int64), last - first)
 
 
 def _waste(mean: float, top: float) -> float:
@@ -249,10 +303,21 @@ def _match(sets: np.ndarray, ranks: np.ndarray, weight: np.ndarray, R: int) -> n
 
 
 @njit(cache=True, nogil=True)
+def _add(level: np.ndarray, rank: np.ndarray, j: int, c: float) -> float:
+    """Adds ``c`` to the load of the rank at position ``j`` of the ascending ``level`` (with its
+    ``rank``) and moves it up to keep the order; returns its new load."""
+    r, new = rank[j], level[j] + c
+    while j + 1 < len(level) and level[j + 1] <= new:
+        level[j], rank[j] = level[j + 1], rank[j + 1]
+        j += 1
+    level[j], rank[j] = new, r
+    return new
+
+
+@njit(cache=True, nogil=True)
 def _greedy(base: np.ndarray, cost: np.ndarray, home: np.ndarray, order: np.ndarray) -> np.ndarray:
     """Longest first: each image to the least loaded rank (its home if that is as little
     loaded), the ranks kept sorted by load."""
-    R = len(base)
     load = base.copy()
     rank = np.argsort(load, kind="mergesort")
     level = load[rank]
@@ -262,13 +327,9 @@ def _greedy(base: np.ndarray, cost: np.ndarray, home: np.ndarray, order: np.ndar
         if load[home[n]] <= level[0]:  # home is among the least loaded: find its place
             while rank[j] != home[n]:
                 j += 1
-        r, new = rank[j], level[j] + cost[n]
+        r = rank[j]
         encoder[n] = r
-        load[r] = new
-        while j + 1 < R and level[j + 1] <= new:
-            level[j], rank[j] = level[j + 1], rank[j + 1]
-            j += 1
-        level[j], rank[j] = new, r
+        load[r] = _add(level, rank, j, cost[n])  # (``rank`` is reordered in place)
     return encoder
 
 
@@ -285,7 +346,6 @@ def _fits(
     """Packs every image within ``cap`` (home first then best fit of the rest, or best fit of
     all) into ``encoder``; says whether it packed. Best fit keeps the ranks sorted by load: the
     fullest rank an image fits is found by bisection (``O(log R)``) and moved up in place."""
-    R = len(base)
     load = base.copy()
     left = np.empty(len(order), dtype=np.int64)
     k = 0
@@ -306,12 +366,8 @@ def _fits(
         j = np.searchsorted(level, cap - cost[n], side="right") - 1  # the fullest that fits
         if j < 0:
             return False
-        r, new = rank[j], level[j] + cost[n]
-        encoder[n] = r
-        while j + 1 < R and level[j + 1] <= new:  # keep the order: move it up
-            level[j], rank[j] = level[j + 1], rank[j + 1]
-            j += 1
-        level[j], rank[j] = new, r
+        encoder[n] = rank[j]
+        _add(level, rank, j, cost[n])
     return True
 
 

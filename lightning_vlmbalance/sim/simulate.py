@@ -57,6 +57,7 @@ import numpy as np
 
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
+from lightning_vlmbalance.balance.images import PackImages, order_micro_steps, plan_images
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
 from lightning_vlmbalance.packing.plan import (
@@ -240,79 +241,36 @@ def closed_form_waste(mean_ms: float, std_ms: float, dp: int, ga: int, sync_ever
     return 1.0 - ga * mean_ms / expected if expected > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class _PackImages:
-    """Every pack's images, for encoder balancing: pack ``i`` holds images
-    ``offsets[i]:offsets[i + 1]`` of ``tokens`` / ``cost_ms`` (a sample's image tokens split
-    evenly over its images, the remainder to the first); ``llm_ms`` is each pack's language
-    model, ``per_call_ms`` the encoder's cost per call."""
-
-    offsets: np.ndarray
-    tokens: np.ndarray
-    cost_ms: np.ndarray
-    llm_ms: np.ndarray
-    per_call_ms: float
-
-    @property
-    def vision_ms(self) -> np.ndarray:
-        """Each pack's images' encoder cost (without the per-call cost)."""
-        total = np.concatenate([[0.0], np.cumsum(self.cost_ms)])
-        return total[self.offsets[1:]] - total[self.offsets[:-1]]
-
-    @classmethod
-    def of(
-        cls,
-        packs: Packs,
-        feats: Mapping[str, np.ndarray],
-        image: np.ndarray,
-        images: np.ndarray,
-        cost_model: CostModel,
-    ) -> _PackImages:
-        count = images[packs.positions]  # per sample of the packs, in pack order
-        whole = image[packs.positions]
-        owner = np.repeat(np.arange(len(count)), count)
-        rank_in_sample = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
-        tokens = whole[owner] // count[owner] + (rank_in_sample < whole[owner] % count[owner])
-        offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)[packs.offsets]
-        cost_ms, per_call = cost_model.image_cost_ms(tokens)
-        llm_ms = cost_model.llm_cost_ms(feats)
-        llm_ms[feats["total_tokens"] == 0] = 0.0  # a padding pack computes nothing
-        return cls(offsets, tokens, cost_ms, llm_ms, per_call)
-
-    def step(
-        self, placed: np.ndarray, exchange: ExchangeModel
-    ) -> tuple[float, float, float, float]:
-        """One global batch with encoder balancing; ``placed[r, m]``: the pack rank ``r``
-        computes at micro-step ``m``. Returns the compute time (per micro-step the slowest
-        language model plus the slowest encoder work), the returns' time (embeddings and
-        gradients, on the step path), the pixels' transfer time (in the rebalancing thread) and
-        the images moved."""
-        from lightning_vlmbalance.balance.images import plan_images  # numba: when used
-
-        R, G = placed.shape
-        busy = returns = moved = 0.0
-        src: list[np.ndarray] = []
-        dst: list[np.ndarray] = []
-        rows: list[np.ndarray] = []
-        base = np.full(R, self.per_call_ms)
-        for m in range(G):
-            packs = placed[:, m]
-            first, last = self.offsets[packs], self.offsets[packs + 1]
-            idx = np.concatenate([np.arange(a, b) for a, b in zip(first, last)]).astype(np.int64)
-            home = np.repeat(np.arange(R), last - first)
-            plan = plan_images(base, self.cost_ms[idx], home)
-            busy += float(self.llm_ms[packs].max()) + float(plan.load.max())
-            away = plan.encoder != home
-            tokens = self.tokens[idx][away]
-            back = tokens * float(exchange.embedding_token_bytes)
-            returns += 2.0 * exchange.transfer_ms(plan.encoder[away], home[away], back, R)
-            src.append(home[away])
-            dst.append(plan.encoder[away])
-            rows.append(tokens)
-            moved += float(away.sum())
-        pixels = np.concatenate(rows) * float(exchange.image_token_bytes)
-        sent = exchange.transfer_ms(np.concatenate(src), np.concatenate(dst), pixels, R)
-        return busy, returns, exchange.plan_ms + sent, moved
+def _encoder_step(
+    images: PackImages, placed: np.ndarray, exchange: ExchangeModel
+) -> tuple[float, float, float, float]:
+    """One global batch with encoder balancing; ``placed[r, m]``: the pack rank ``r``
+    computes at micro-step ``m``. Returns the compute time (per micro-step the slowest
+    language model plus the slowest encoder work), the returns' time (embeddings and
+    gradients, on the step path), the pixels' transfer time (in the rebalancing thread) and
+    the images moved."""
+    R, G = placed.shape
+    busy = returns = moved = 0.0
+    src: list[np.ndarray] = []
+    dst: list[np.ndarray] = []
+    rows: list[np.ndarray] = []
+    base = np.full(R, images.per_call_ms)
+    for m in range(G):
+        packs = placed[:, m]
+        idx, home = images.of_micro_step(packs)
+        plan = plan_images(base, images.cost_ms[idx], home)
+        busy += float(images.llm_ms[packs].max()) + float(plan.load.max())
+        away = plan.encoder != home
+        tokens = images.tokens[idx][away]
+        back = tokens * float(exchange.embedding_token_bytes)
+        returns += 2.0 * exchange.transfer_ms(plan.encoder[away], home[away], back, R)
+        src.append(home[away])
+        dst.append(plan.encoder[away])
+        rows.append(tokens)
+        moved += float(away.sum())
+    pixels = np.concatenate(rows) * float(exchange.image_token_bytes)
+    sent = exchange.transfer_ms(np.concatenate(src), np.concatenate(dst), pixels, R)
+    return busy, returns, exchange.plan_ms + sent, moved
 
 
 class _Pool:
@@ -352,7 +310,7 @@ class _Pool:
         self.rows = rows  # table row of each sample index of the packs
         feats = features_from_packs(self.packs, total, image, images)
         self.cost_ms = cost_model.pack_cost_ms(feats)
-        self.images = _PackImages.of(self.packs, feats, image, images, cost_model)
+        self.images = PackImages.of(self.packs, feats, image, images, cost_model)
         self.tokens = feats["total_tokens"]
         self.image_tokens = feats["image_tokens"]
         text = feats["total_tokens"] - feats["image_tokens"]
@@ -437,7 +395,7 @@ class _SourcePool:
         feats = features_from_packs(packs, total, image, images)
         self.cost_ms = cost_model.pack_cost_ms(feats)
         self.cost_ms[feats["total_tokens"] == 0] = 0.0
-        self.images = _PackImages.of(packs, feats, image, images, cost_model)
+        self.images = PackImages.of(packs, feats, image, images, cost_model)
         # a lower bound's term: the heaviest sample of each pack, as a pack of its own
         alone = Packs(np.arange(len(total)), np.arange(len(total) + 1))
         sample_ms = cost_model.pack_cost_ms(features_from_packs(alone, total, image, images))
@@ -651,8 +609,6 @@ def _run(
         placed = draw.reshape(R, G)
         exposed_ms = ex_ms = 0.0
         if strategy == "encoder_overlap":  # micro-steps of even vision work, no pack moves
-            from lightning_vlmbalance.balance.images import order_micro_steps
-
             order = order_micro_steps(p.images.vision_ms[placed])
             placed = np.take_along_axis(placed, order, axis=1)
         if strategy in ("sync", "overlap") and R > 1:
@@ -672,7 +628,7 @@ def _run(
             ex_ms = exchange.exchange_ms(moves_global, p.bytes, R)
             moved.append(len(moves))
         if encoder and R > 1:
-            busy, returns_ms, pixels_ms, n_images = p.images.step(placed, exchange)
+            busy, returns_ms, pixels_ms, n_images = _encoder_step(p.images, placed, exchange)
             busy += returns_ms  # on the step path
             images_moved.append(n_images)
             ex_ms += pixels_ms  # the pixels travel in the rebalancing thread
