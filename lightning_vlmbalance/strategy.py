@@ -451,7 +451,7 @@ class _RebalancingProperties:
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = self.rebalancer.wrap_loader(super().process_dataloader(dataloader))  # type: ignore[misc]
-        _WorkersIgnoreSigterm.install(dataloader, self.global_rank)  # type: ignore[attr-defined]
+        _WorkersIgnoreSigterm.install(dataloader, data_parallel_world(self).global_rank)
         return dataloader
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

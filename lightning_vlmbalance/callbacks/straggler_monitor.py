@@ -19,6 +19,7 @@ from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance import encoder
 from lightning_vlmbalance.balance.cost import features_from_meta
 from lightning_vlmbalance.callbacks._options import LOG_EVERY_N_STEPS, checked_log_every_n_steps
+from lightning_vlmbalance.parallel import data_parallel_world
 from lightning_vlmbalance.timing import (
     LIGHTNING_SYNC,
     StepTimer,
@@ -171,7 +172,8 @@ class StragglerMonitor(Callback):
             log_dir = trainer.log_dir  # a broadcast from rank 0: every rank calls it here
             directory = Path(log_dir or trainer.default_root_dir) / "straggler"
         directory.mkdir(parents=True, exist_ok=True)
-        self.jsonl_path = directory / f"rank_{trainer.global_rank}.jsonl"  # opened at train start
+        rank = data_parallel_world(trainer.strategy).global_rank
+        self.jsonl_path = directory / f"rank_{rank}.jsonl"  # opened at train start
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
@@ -242,11 +244,12 @@ class StragglerMonitor(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after a checkpoint was restored (on_fit_start runs before the restore)
         self._last_step = trainer.global_step
+        world = data_parallel_world(trainer.strategy)  # every process: one line per rank
         self.recorder.start(
             self.jsonl_path,
             trainer.global_step,
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
+            rank=world.global_rank,
+            world_size=world.world_size,
         )
         self._fitting = True
 
