@@ -360,6 +360,9 @@ def test_encoder_balancing_spreads_the_images_of_each_micro_step() -> None:
     assert by[("encoder_overlap", 8)]["moved_packs"] == 0
     assert by[("encoder_overlap", 8)]["waste_frac"] <= by[("encoder", 8)]["waste_frac"] + 1e-9
     assert by[("encoder_source", 1)]["moved_images"] >= 0
+    # on the source-balanced packs: none moves, and the waste is below off's
+    assert by[("encoder_source", 1)]["moved_packs"] == 0
+    assert by[("encoder_source", 1)]["waste_frac"] < off["waste_frac"]
     # the returns cost time: with a slow network encoder balancing gains less
     from lightning_vlmbalance.sim import ExchangeModel
 
