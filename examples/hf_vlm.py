@@ -52,10 +52,21 @@ class HFVLM(L.LightningModule):
 class HFData(L.LightningDataModule):
     """Processor outputs of synthetic samples, packed by ``PackingSampler``."""
 
-    def __init__(self, config: Any, *, n: int, seq_len: int, text_share: float, seed: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        n: int,
+        seq_len: int,
+        text_share: float,
+        seed: int,
+        max_images: int = 2,
+    ) -> None:
         super().__init__()
         self.config, self.seq_len, self.seed = config, seq_len, seed
-        self.dataset = SyntheticProcessed(config, n, seed=seed, text_share=text_share)
+        self.dataset = SyntheticProcessed(
+            config, n, seed=seed, text_share=text_share, max_images=max_images
+        )
         self.lengths = vbhf.item_lengths(self.dataset, config)  # from the same processor
         self.loader: vb.PackedDataLoader | None = None
 
@@ -87,13 +98,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--root", default="runs")
     p.add_argument("--strategy", default="vlmbalance", choices=("vlmbalance", "ddp"))
     p.add_argument("--balance-mode", default="overlap", choices=("overlap", "sync", "off"))
+    p.add_argument(
+        "--encoder",
+        action="store_true",
+        help="encoder balancing: images encoded on other ranks (one micro-batch per step too)",
+    )
+    p.add_argument("--max-images", type=int, default=2, help="images per sample, at most")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)  # one core per rank: two ranks must not fight over two cores
     L.seed_everything(args.seed, verbose=False)
     config = tiny_config(args.family)
     data = HFData(
-        config, n=args.num_samples, seq_len=args.seq_len, text_share=args.text_share, seed=args.seed
+        config,
+        n=args.num_samples,
+        seq_len=args.seq_len,
+        text_share=args.text_share,
+        seed=args.seed,
+        max_images=args.max_images,
     )
     model = HFVLM(config)
     monitor = vb.StragglerMonitor(log_every_n_steps=10)
@@ -103,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         accelerator="cpu",
         devices=args.devices,
         strategy=(
-            vb.VLMBalanceStrategy(mode=args.balance_mode)
+            vb.VLMBalanceStrategy(mode=args.balance_mode, encoder=args.encoder)
             if args.strategy == "vlmbalance" and multi
             else "ddp"
             if multi

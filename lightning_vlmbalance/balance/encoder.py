@@ -7,8 +7,10 @@ background thread in ``"overlap"`` mode), which leaves on each packed batch:
 
 ``encoder_route``   an :class:`ImageRoute`: which of the pack's images this rank encodes, which
                     it sent to which rank, and the sizes of the images it received
-``encoder_pixels``  the received images' pixel rows (``Tensor[J, *feature]``), in the order of
-                    the route (by sending rank, then that rank's image order)
+``encoder_fields``  the received images' per-image tensors, ``{name: Tensor}`` (``pixel_values``
+                    rows for packs of pixel rows), in the order of the route (by sending rank,
+                    then that rank's image order), with ``encoder_field_rows`` (each image's
+                    rows, per name)
 
 In the model, :func:`encode_images` replaces the encoder call: it runs the encoder once on this
 rank's set (its own kept images, then the received ones, each image attending only within
@@ -37,7 +39,14 @@ import torch.distributed as dist
 
 from lightning_vlmbalance.timing.timer import ENCODER_RETURN
 
-__all__ = ["ImageRoute", "encode_images", "register_group", "route_for", "time_returns"]
+__all__ = [
+    "ImageRoute",
+    "encode_images",
+    "register_group",
+    "return_home",
+    "route_for",
+    "time_returns",
+]
 
 # the process groups routes name: set by the strategy (or the user) before training
 _GROUPS: dict[str, dist.ProcessGroup | None] = {}
@@ -104,6 +113,25 @@ class ImageRoute:
     def received_images(self) -> int:
         return sum(len(s) for s in self.recv_sizes)
 
+    @property
+    def rows(self) -> int:
+        """Rows (image tokens) of the pack's own images."""
+        return sum(self.own_sizes)
+
+    @property
+    def local_sizes(self) -> list[int]:
+        """Rows of each image this rank encodes: its kept images, then the received ones."""
+        kept = [self.own_sizes[i] for i in self.keep]
+        return [*kept, *(n for per_rank in self.recv_sizes for n in per_rank)]
+
+    def kept_rows(self, rows_per_image: Sequence[int]) -> np.ndarray:
+        """Indices of the kept images' rows in a per-image tensor of the pack whose image
+        ``i`` has ``rows_per_image[i]`` rows (the embeddings, or an input field), in
+        ``keep`` order."""
+        sizes = np.asarray(rows_per_image, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        return _rows_of(np.asarray(self.keep, dtype=np.int64), starts, sizes)
+
 
 class _ReturnEmbeddings(torch.autograd.Function):
     """``all_to_all`` of embedding rows; the backward sends the gradients the other way."""
@@ -153,26 +181,36 @@ def encode_images(
     route: ImageRoute | None = batch.get("encoder_route")
     if route is None:
         out = encoder(pixels, batch["image_cu_seqlens"], batch["image_max_seqlen"])
-        _check_rows(encoder, out, int(pixels.shape[0]), int(pixels.shape[0]))
+        check_rows(encoder, out, int(pixels.shape[0]), int(pixels.shape[0]))
         return out
-    sizes = np.asarray(route.own_sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    if starts[-1] != int(pixels.shape[0]):
+    if route.rows != int(pixels.shape[0]):
         raise ValueError(
-            f"encoder_route: the pack's images have {starts[-1]} rows but pixel_values has"
+            f"encoder_route: the pack's images have {route.rows} rows but pixel_values has"
             f" {int(pixels.shape[0])}"
         )
-    keep = np.asarray(route.keep, dtype=np.int64)
-    sent = np.asarray([i for per_rank in route.send for i in per_rank], dtype=np.int64)
-    received = batch["encoder_pixels"].to(device=pixels.device, dtype=pixels.dtype)
-    local_sizes = [*sizes[keep].tolist(), *(n for per_rank in route.recv_sizes for n in per_rank)]
-    kept_rows = _rows_of(keep, starts, sizes)  # this pack's rows encoded here, in keep order
-    local = torch.cat([pixels.index_select(0, _index(kept_rows, pixels)), received])
+    received = batch["encoder_fields"]["pixel_values"].to(device=pixels.device, dtype=pixels.dtype)
+    kept = route.kept_rows(route.own_sizes)
+    local = torch.cat([pixels.index_select(0, _index(kept, pixels)), received])
+    local_sizes = route.local_sizes
     cu = torch.zeros(len(local_sizes) + 1, dtype=torch.int32)
     if local_sizes:
         cu[1:] = torch.cumsum(torch.tensor(local_sizes, dtype=torch.int32), 0)
     out = encoder(local, cu.to(pixels.device), max(local_sizes, default=0))
-    _check_rows(encoder, out, sum(local_sizes), int(local.shape[0]))
+    check_rows(encoder, out, sum(local_sizes), int(local.shape[0]))
+    return return_home(route, out)
+
+
+def return_home(route: ImageRoute, out: torch.Tensor) -> torch.Tensor:
+    """The pack's own image rows, in the pack's image order, from ``out``: the rows this rank
+    encoded (its kept images in ``keep`` order, then the received images in the route's
+    order, ``route.local_sizes``), after the received images' rows are sent back to their
+    owners and the own images encoded elsewhere come back (one ``all_to_all``, with autograd:
+    its backward sends the gradients the other way). Every rank of the route's group must call
+    it, with or without images."""
+    sizes = np.asarray(route.own_sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    kept_rows = route.kept_rows(route.own_sizes)
+    sent = np.asarray([i for per_rank in route.send for i in per_rank], dtype=np.int64)
     send_back = [sum(per_rank) for per_rank in route.recv_sizes]  # to each image's owner
     expect = [int(sizes[per_rank].sum()) for per_rank in route.send]  # from each encoder
     n = len(kept_rows)
@@ -199,11 +237,15 @@ def _index(rows: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(rows).to(like.device, non_blocking=True)
 
 
-def _check_rows(encoder: Any, out: torch.Tensor, expected: int, given: int) -> None:
+def check_rows(
+    encoder: Any, out: torch.Tensor, expected: int, given: int, *, unit: str = "input rows"
+) -> None:
+    """Refuses an encoder output without one row per image token, naming the encoder (module
+    class) and the counts: ``given`` inputs (``unit``) of ``expected`` image tokens."""
     if int(out.shape[0]) != expected:
         raise ValueError(
             f"the vision encoder {type(encoder).__name__} returned {int(out.shape[0])} rows for"
-            f" {given} input rows of {expected} image tokens: encoder balancing needs one output"
+            f" {given} {unit} of {expected} image tokens: encoder balancing needs one output"
             " row per image token, in input order"
         )
 

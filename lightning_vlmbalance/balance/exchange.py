@@ -16,13 +16,17 @@ within ``timeout_s``, never a hang.
 
 On GPUs the headers and specs (a few hundred bytes) still travel on the CPU ``group`` (gloo),
 while the payloads travel as device tensors on ``payload_group`` (NCCL): the sender copies the
-payload host-to-device and every send and receive is posted on a side CUDA ``stream``. The
-caller (the loader's background thread) waits until every transfer is done; then one CUDA event
-per received pack is recorded on the side stream, and the training loop's stream waits on that
-pack's event when the pack is handed to it (:func:`wait_pack_ready`), never on the side stream
-as a whole. NCCL ignores tags and runs one pair's operations in order: both ends post a pair's
-messages in the order of ``moves``, the lower rank its sends first, so a swap cannot deadlock.
-After a timeout the NCCL payload group may still hold queued operations: the fit fails.
+payload host-to-device and every send and receive is posted on a side CUDA ``stream``. The host
+does not wait for the payloads: pack by pack, the side stream waits for that pack's own
+transfer and records the pack's CUDA event right then, so the training loop's stream, which
+waits on a pack's event when the pack is handed to it (:func:`wait_pack_ready`), can start on
+the first pack while later ones are still in flight, and never waits on the side stream as a
+whole. A sent payload is kept for the side stream until its send is done (``record_stream``).
+A peer that dies mid-transfer is caught by the NCCL group's own timeout (the strategy sets it
+to ``exchange_timeout_s``), not by this host. NCCL ignores tags and runs one pair's operations
+in order: both ends post a pair's messages in the order of ``moves``, the lower rank its sends
+first, so a swap cannot deadlock. After a timeout the NCCL payload group may still hold queued
+operations: the fit fails.
 """
 
 from __future__ import annotations
@@ -182,13 +186,16 @@ def exchange_packs(
         # 1) headers: sizes of each pack's spec and payload (CPU group)
         headers = _exchange_headers(encoded, outgoing, incoming, group, deadline, timeout_s)
         # 2) specs (CPU group) and payloads (payload group, on ``device``)
-        with _on_stream(device, stream):
+        with on_stream(device, stream):
             works, send_to = _send_specs(encoded, outgoing, group, device)
             recv_works, buffers, recv_from = _recv_specs(headers, incoming, group, device)
             works += recv_works
-            payload_works, pending = _post_payloads(send_to, recv_from, rank, payload_group)
+            payload_works, pending, sends = _post_payloads(send_to, recv_from, rank, payload_group)
             _wait_all(works, deadline, timeout_s)
-            _wait_all(payload_works, deadline, timeout_s, poll=on_cuda)
+            if on_cuda:  # no host wait: each received pack's event follows its own transfer
+                _keep_until_sent(sends, stream)
+            else:
+                _wait_all(payload_works, deadline, timeout_s)
             received = _decode_received(incoming, buffers, pending, on_cuda, stream, ready_events)
     except RuntimeError as err:
         if isinstance(err, ExchangeError):
@@ -279,20 +286,24 @@ def _recv_specs(
 
 def _post_payloads(
     send_to: _ByPeer, recv_from: _ByPeer, rank: int, payload_group: dist.ProcessGroup | None
-) -> tuple[_Works, dict[int, list[Any]]]:
-    """Posts every payload send and receive, peer by peer: ``(works, receive works by pack)``."""
+) -> tuple[_Works, dict[int, list[Any]], list[tuple[Any, torch.Tensor]]]:
+    """Posts every payload send and receive, peer by peer: ``(works, receive works by pack,
+    (send work, sent tensor) pairs)``."""
     # NCCL runs one pair's operations in posting order on one stream and ignores tags: if both
     # ends of a swap posted their send first, each send would wait for a receive queued behind
     # the other's send. The lower rank sends first, the higher receives first; within a pair
     # both follow the order of ``moves``.
     works: _Works = []
     pending: dict[int, list[Any]] = {}
+    sends: list[tuple[Any, torch.Tensor]] = []
 
     def post_sends(peer: int) -> _Works:
-        return [
-            (dist.isend(t, peer, group=payload_group, tag=3 * p + 2), f"pack {p} to {peer}")
-            for p, t in send_to.get(peer, [])
-        ]
+        posted = []
+        for p, t in send_to.get(peer, []):
+            work = dist.isend(t, peer, group=payload_group, tag=3 * p + 2)
+            sends.append((work, t))
+            posted.append((work, f"pack {p} to {peer}"))
+        return posted
 
     for peer in sorted(set(send_to) | set(recv_from)):
         if rank < peer:
@@ -303,7 +314,16 @@ def _post_payloads(
             works.append((work, f"pack {p} from {peer}"))
         if rank > peer:
             works += post_sends(peer)
-    return works, pending
+    return works, pending, sends
+
+
+def _keep_until_sent(sends: list[tuple[Any, torch.Tensor]], stream: Any) -> None:
+    """On CUDA: the side ``stream`` waits for every send (``work.wait`` only queues that wait),
+    and each sent tensor is marked as used on it, so the caching allocator does not hand its
+    memory out again before the send is done, though this function returns at once."""
+    for work, tensor in sends:
+        work.wait()
+        tensor.record_stream(stream)
 
 
 def _decode_received(
@@ -314,7 +334,8 @@ def _decode_received(
     stream: Any,
     ready_events: dict[int, Any] | None,
 ) -> dict[int, Any]:
-    """Decodes the received packs; on CUDA, ``stream`` waits for each before its event."""
+    """Decodes the received packs; on CUDA, ``stream`` waits for each pack's own transfer and
+    records that pack's event before it waits for the next pack's."""
     received = {}
     for p, _ in incoming:
         if on_cuda:
@@ -349,7 +370,7 @@ def wait_pack_ready(pack: Any, event: Any) -> None:
     visit(pack)
 
 
-def _on_stream(device: torch.device, stream: Any) -> Any:
+def on_stream(device: torch.device, stream: Any) -> Any:
     if device.type != "cuda":
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
@@ -358,20 +379,12 @@ def _on_stream(device: torch.device, stream: Any) -> Any:
     return stack
 
 
-def _wait_all(
-    works: list[tuple[Any, str]], deadline: float, timeout_s: float, poll: bool = False
-) -> None:
-    """Waits for every work by ``deadline``. ``poll``: NCCL works, whose ``wait`` only makes the
-    current stream wait; the host polls ``is_completed`` instead, so the deadline holds."""
+def _wait_all(works: list[tuple[Any, str]], deadline: float, timeout_s: float) -> None:
+    """Waits for every (gloo) work by ``deadline``."""
     for i, (work, _) in enumerate(works):
         left = deadline - time.monotonic()
         try:
-            if poll:
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("deadline passed")
-                    time.sleep(2e-4)
-            elif left <= 0 or not work.wait(timedelta(seconds=left)):
+            if left <= 0 or not work.wait(timedelta(seconds=left)):
                 raise TimeoutError("deadline passed")
         except Exception as err:  # a dead peer: a gloo connection error; a silent one: timeout
             pending = ", ".join(w for _, w in works[i : i + 4])

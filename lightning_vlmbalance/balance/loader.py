@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -48,9 +47,15 @@ import torch.distributed as dist
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from_meta
 from lightning_vlmbalance.balance.encoder import register_group, route_for
-from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, wait_pack_ready
+from lightning_vlmbalance.balance.exchange import (
+    ExchangeError,
+    exchange_packs,
+    on_stream,
+    wait_pack_ready,
+)
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import optimizer_steps, weigh_step
+from lightning_vlmbalance.packing.collate import cat_padded
 from lightning_vlmbalance.packing.sampler import PackedDataLoader
 
 __all__ = ["MODES", "RebalancingLoader", "ResumablePackSource"]
@@ -259,7 +264,7 @@ class RebalancingLoader:
         self.moved_packs_total = 0
         self.received_bytes_total = 0  # tensor bytes of the packs this rank received
         self.moved_images_total = 0  # images encoded on another rank than their pack's
-        self.encoder_bytes_total = 0  # pixel bytes this rank received to encode
+        self.encoder_bytes_total = 0  # image bytes this rank received to encode
         self._encoder_group_name = f"rebalancing-loader-{id(self)}"
         if self.config.encoder:
             if self.config.mode == "overlap" and world_size > 1 and encoder_group is None:
@@ -474,8 +479,7 @@ class RebalancingLoader:
             )
             mine = {r * G + m: b for m, b in enumerate(batches)}
             events: dict[int, Any] = {}
-            if self.device.type == "cuda" and self._stream is None:
-                self._stream = torch.cuda.Stream(self.device)
+            self._side_stream()
             start = time.perf_counter()
             moves = [tuple(int(x) for x in mv) for mv in plan.moves]
             received = self._exchange(mine, moves, ready_events=events)
@@ -502,7 +506,7 @@ class RebalancingLoader:
         re-ordered over the micro-steps so that every micro-step carries about the same vision
         work (:func:`~lightning_vlmbalance.balance.images.order_micro_steps`); then, micro-step
         by micro-step, the images are planned to ranks, the pixels are sent where they are
-        encoded, and each batch is given its ``encoder_route`` and ``encoder_pixels`` (see
+        encoded, and each batch is given its ``encoder_route`` and ``encoder_fields`` (see
         :mod:`~lightning_vlmbalance.balance.encoder`). Returns this rank's batches in order and
         the statistics."""
         # numba's import (about 0.1 s) only in the processes that balance images
@@ -524,8 +528,8 @@ class RebalancingLoader:
         K = sizes.shape[1]
         mine: dict[int, Any] = {}
         moves: list[tuple[int, int, int]] = []
-        foreign: list[list[int]] = []  # per micro-step: the keys of the pixels received
-        moved = moved_rows = 0
+        foreign: list[list[int]] = []  # per micro-step: the keys of the images received
+        moved = 0
         spent = ideal = spent_home = 0.0  # the plan's predicted step, as the ranks meet
         for m in range(G):
             packs = placed[:, m]
@@ -534,14 +538,13 @@ class RebalancingLoader:
             rows = np.concatenate([sizes[p, : counts[p]] for p in packs]).astype(np.int64)
             plan = plan_images(np.full(W, per_call), image_ms[packs][present[packs]], home)
             moved += plan.moved_images
-            moved_rows += int(rows[plan.encoder != home].sum())
             language = llm_ms[packs]
             spent += float(language.max() + plan.load.max())
             spent_home += float(language.max() + plan.load_home.max())
             ideal += float(language.mean() + plan.load.mean())
             own = home == r
             batch = order[m]
-            _check_image_fields(batch)
+            fields = image_payload_fields(batch)
             batch["encoder_route"] = route_for(
                 group=self._encoder_group_name,
                 rank=r,
@@ -555,37 +558,48 @@ class RebalancingLoader:
                 ],
             )
             keys = []
-            cu = batch["image_cu_seqlens"].tolist()
             for h, i, e in zip(home, index, plan.encoder):
                 if e == h:
                     continue
                 key = (m * W + int(h)) * K + int(i)
                 moves.append((key, int(h), int(e)))
                 if h == r:
-                    mine[key] = {"pixels": batch["pixel_values"][cu[i] : cu[i + 1]]}
+                    mine[key] = {name: t[a[i] : a[i + 1]] for name, (t, a) in fields.items()}
                 elif e == r:
                     keys.append(key)
             foreign.append(keys)
         planned_ms = (time.perf_counter() - start) * 1e3
-        received = self._exchange(mine, moves)
-        if self._stream is not None:  # the pixels are complete before the step reads them
-            self._stream.synchronize()
+        events: dict[int, Any] = {}
+        stream = self._side_stream()
+        received = self._exchange(mine, moves, ready_events=events)
+        received_bytes = 0
         for m, keys in enumerate(foreign):
-            pixels = order[m]["pixel_values"]
-            got = [received[k]["pixels"] for k in keys]
-            order[m]["encoder_pixels"] = (
-                torch.cat(got) if got else pixels.new_empty((0, *pixels.shape[1:]))
-            )
-        row = order[0]["pixel_values"]  # every rank's rows have this shape and dtype
-        row_bytes = math.prod(row.shape[1:]) * row.element_size()
+            got = [received[k] for k in keys]
+            received_bytes += sum(_nbytes(g) for g in got)
+            with on_stream(self.device, stream):
+                # on CUDA: the images are joined on the exchange's side stream, after their own
+                # transfers, and the micro-step's batch waits for that (its own event)
+                if stream is not None:
+                    for k in keys:
+                        stream.wait_event(events[k])
+                fields = _received_fields(got, image_payload_fields(order[m]))
+                if stream is not None and keys:
+                    self._ready_events[id(order[m])] = stream.record_event()
+            order[m]["encoder_fields"], order[m]["encoder_field_rows"] = fields
         return order, {
             "encoder_moved_images": float(moved),
-            "encoder_bytes": float(moved_rows * row_bytes),  # all ranks'; no collective
+            "encoder_bytes": float(received_bytes),  # this rank's; no collective
             "encoder_plan_ms": planned_ms,
             "exchange_ms": (time.perf_counter() - start) * 1e3 - planned_ms,
             "planned_waste_frac": 1.0 - ideal / spent if spent > 0 else 0.0,
             "baseline_waste_frac": 1.0 - ideal / spent_home if spent_home > 0 else 0.0,
         }
+
+    def _side_stream(self) -> Any:
+        """The exchange's side CUDA stream (created on first use), or ``None`` on the CPU."""
+        if self.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
 
     def _exchange(
         self,
@@ -645,15 +659,59 @@ class _ResumableRebalancingLoader(RebalancingLoader):
         self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]
 
 
-def _check_image_fields(batch: dict[str, Any]) -> None:
-    """Encoder balancing moves ``pixel_values`` rows only: a per-image field it does not know
-    would stay with the pack while its image is encoded elsewhere, so it is refused by name."""
+def image_payload_fields(batch: dict[str, Any]) -> dict[str, tuple[torch.Tensor, np.ndarray]]:
+    """The per-image tensors of a pack that travel with an image encoded on another rank, as
+    ``{name: (tensor, starts)}``: image ``i`` is ``tensor[starts[i] : starts[i + 1]]``.
+
+    A pack of pixel rows (``pixel_values`` with ``image_cu_seqlens``) moves those rows. A pack
+    whose images are in ``image_fields`` (the Hugging Face families) moves every field, split by
+    ``image_field_rows`` (``{name: rows of each image}``, set by the collator that knows the
+    layout).
+
+    Raises:
+        ValueError: for an image field without its rows per image, named (it would stay with
+            the pack while its image is encoded elsewhere), or rows that do not add up.
+    """
     fields = batch.get("image_fields") or {}
-    if fields:
+    if not fields:
+        if "pixel_values" not in batch:  # a text-only pack of a layout without pixel rows
+            return {}
+        pixels = batch["pixel_values"]
+        return {"pixel_values": (pixels, np.asarray(batch["image_cu_seqlens"].tolist()))}
+    rows = batch.get("image_field_rows") or {}
+    unknown = sorted(set(fields) - set(rows))
+    if unknown:
         raise ValueError(
-            f"encoder balancing moves `pixel_values` rows (one per image token); the batch also"
-            f" has per-image fields {sorted(fields)} it does not know how to move with them"
+            f"encoder balancing moves each image with its per-image fields; the batch has"
+            f" image fields {unknown} without their rows per image in `image_field_rows`"
+            f" (known: {sorted(rows)}), so it cannot tell which rows belong to which image"
         )
+    out = {}
+    for name, tensor in fields.items():
+        starts = np.concatenate([[0], np.cumsum(np.asarray(rows[name], dtype=np.int64))])
+        if starts[-1] != tensor.shape[0]:
+            raise ValueError(
+                f"image field {name!r} has {tensor.shape[0]} rows but `image_field_rows` gives"
+                f" {int(starts[-1])}"
+            )
+        out[name] = (tensor, starts)
+    return out
+
+
+def _received_fields(
+    got: list[dict[str, torch.Tensor]], own: dict[str, tuple[torch.Tensor, np.ndarray]]
+) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """The images received for one micro-step, field by field (``cat_padded``: whole images of
+    different tile counts are zero-padded to the largest), with the rows of each."""
+    names = list(got[0]) if got else list(own)
+    fields = {}
+    for name in names:
+        if got:
+            fields[name] = cat_padded([g[name] for g in got], name)
+        else:  # nothing received: an empty field like this rank's own (if it has one)
+            t = own[name][0]
+            fields[name] = t.new_empty((0, *t.shape[1:]))
+    return fields, {name: [int(g[name].shape[0]) for g in got] for name in names}
 
 
 def _nbytes(obj: Any) -> int:

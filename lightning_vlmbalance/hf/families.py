@@ -238,6 +238,23 @@ class Family:
         )
         return pos[:, 0].long()  # (3, L)
 
+    def field_rows(self, fields: Mapping[str, torch.Tensor]) -> dict[str, list[int]]:
+        """Rows (first dimension) of each image in each of a pack's image fields, in the pack's
+        image order: what moves with an image that encoder balancing encodes on another rank.
+        Qwen-VL: each image's patch rows and its ``image_grid_thw`` row; LLaVA-OneVision: one
+        (tile-padded) image and its ``image_sizes`` row; Idefics3: one tile per image (the
+        tile is the unit)."""
+        if "pixel_values" not in fields:
+            return {}
+        if self.layout == "mrope":
+            grid = fields["image_grid_thw"]
+            return {
+                "pixel_values": grid.prod(-1).tolist(),
+                "image_grid_thw": [1] * grid.shape[0],
+            }
+        n = int(fields["pixel_values"].shape[0])
+        return {name: [1] * n for name in fields}
+
     # -- a packed batch -> the model's image keyword arguments --------------------------------
 
     def image_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -259,6 +276,39 @@ class Family:
         if "pixel_attention_mask" in fields:
             out["pixel_attention_mask"] = fields["pixel_attention_mask"][None]
         return out
+
+    def encode(self, model: Any, fields: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The vision tower and projector of ``model`` on a set of images given as image fields
+        (their per-image rows concatenated, as :meth:`field_rows` splits them), through the
+        model's own ``get_image_features``: ``[embeddings, *deepstack features]``, each with one
+        row per image token, the images in the order given (encoder balancing's local set).
+
+        Raises:
+            ValueError: for LLaVA-OneVision images of a multi-image sample (the model encodes
+                those without any-resolution tiles: not balanced yet).
+        """
+        inner = model.model
+        if self.layout == "mrope":
+            out = inner.get_image_features(
+                fields["pixel_values"], fields["image_grid_thw"], return_dict=True
+            )
+            deepstack = getattr(out, "deepstack_features", None) or []
+            return [torch.cat(out.pooler_output), *(torch.cat(f) for f in deepstack)]
+        if self.layout == "anyres":
+            out = inner.get_image_features(
+                pixel_values=fields["pixel_values"],
+                image_sizes=fields["image_sizes"],
+                batch_num_images=None,  # every image tiled: single-image samples only
+                return_dict=True,
+            )
+            return [torch.cat(out.pooler_output)]
+        mask = fields.get("pixel_attention_mask")
+        out = inner.get_image_features(
+            fields["pixel_values"][None],
+            None if mask is None else mask[None],
+            return_dict=True,
+        )
+        return [torch.cat(out.pooler_output)]
 
     def position_ids(self, batch: Mapping[str, Any]) -> torch.Tensor:
         if self.layout == "mrope":

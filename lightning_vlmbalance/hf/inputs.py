@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from lightning_vlmbalance.hf.attention import ATTN_IMPLEMENTATION
+from lightning_vlmbalance.hf.encoder import balanced_image_features
 from lightning_vlmbalance.hf.families import Family, family_of
 from lightning_vlmbalance.loss import check_weighted_for
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
@@ -78,6 +79,7 @@ class HFPackCollator(PackCollator):
         # the whole-image families have no per-token pixel rows: the images are in image_fields
         for key in ("pixel_values", "image_cu_seqlens", "image_max_seqlen"):
             batch.pop(key, None)
+        batch["image_field_rows"] = self.family.field_rows(batch["image_fields"])
         if self.family.layout == "mrope" and "mrope_position_ids" not in batch["token_fields"]:
             # a padding pack: text positions on all three rows
             batch["token_fields"]["mrope_position_ids"] = (
@@ -143,7 +145,7 @@ def prepare_model(model: torch.nn.Module) -> Family:
         )
         model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
     decoder = model.get_decoder()
-    state = {"text_only": False}
+    state: dict[str, Any] = {"text_only": False, "balanced_zero": None}
     # parameters of the vision tower and projector: some are never used by some models' forward
     # (LLaVA-OneVision reads SigLIP's hidden states before its last norm and head), which DDP
     # refuses; a zero term on them keeps every one in every micro-batch's graph
@@ -155,8 +157,20 @@ def prepare_model(model: torch.nn.Module) -> Family:
         if p.requires_grad
     ]
 
-    def note_images(module: Any, args: tuple, kwargs: dict) -> None:
-        state["text_only"] = kwargs.get("pixel_values") is None
+    def note_images(module: Any, args: tuple, kwargs: dict) -> Any:
+        pending = state.pop("encoder_batch", None)
+        if pending is not None and kwargs.get("input_ids") is pending["input_ids"]:
+            # encoder balancing: the images are encoded here, inside the model's forward (under
+            # FSDP2 the root unit's parameters, the vision tower's patch embedding among them,
+            # are gathered by then), and handed to it as precomputed encoder outputs
+            encoded = balanced_image_features(model, family, pending)
+            kwargs = {**kwargs, "mm_encoder_outputs": {"image": encoded}}
+        encoded = (kwargs.get("mm_encoder_outputs") or {}).get("image")
+        # encoder balancing's outputs carry their own zero (the return, and the dummy image
+        # on a rank that encoded nothing)
+        state["balanced_zero"] = getattr(encoded, "zero", None)
+        state["text_only"] = kwargs.get("pixel_values") is None and encoded is None
+        return args, kwargs
 
     def keep_vision_in_graph(module: Any, args: tuple, kwargs: dict) -> Any:
         embeds = kwargs.get("inputs_embeds")
@@ -165,11 +179,14 @@ def prepare_model(model: torch.nn.Module) -> Family:
         zero = _unused_zero(multimodal)
         if state["text_only"]:
             zero = zero + _vision_zero(model, family)
+        if state["balanced_zero"] is not None:
+            zero = zero + state["balanced_zero"].to(zero.device)
         return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
 
     model.register_forward_pre_hook(note_images, with_kwargs=True)
     decoder.register_forward_pre_hook(keep_vision_in_graph, with_kwargs=True)
     model._vlmbalance_family = family
+    model._vlmbalance_state = state
     return family
 
 
@@ -217,7 +234,10 @@ def model_inputs(
       families); ``use_cache=False``; no ``attention_mask``.
     * The pack's boundaries under transformers' varlen names (``cu_seq_lens_q`` / ``_k``,
       ``max_length_q`` / ``_k``), read by ``attn_implementation="vlmbalance"``.
-    * The images in the family's layout.
+    * The images in the family's layout. With encoder balancing on (the batch has an
+      ``encoder_route``) there are none: the model's next forward on these ``input_ids``
+      encodes the images where the route planned them and hands the pack's embeddings to
+      itself as ``mm_encoder_outputs`` (see :mod:`lightning_vlmbalance.hf.encoder`).
     * With ``labels=True``: ``labels`` and ``num_items_in_batch = 1 / loss_weight``, so the
       model's own loss (``out.loss``) is the pack's summed token loss times ``loss_weight``: the
       loss contract of :mod:`lightning_vlmbalance.loss` (the step's token-mean gradient).
@@ -238,8 +258,12 @@ def model_inputs(
         "cu_seq_lens_k": cu,
         "max_length_q": max_len,
         "max_length_k": max_len,
-        **family.image_inputs(batch),
     }
+    if batch.get("encoder_route") is not None:
+        # encoded in the model's forward (its pre-hook): see prepare_model
+        model._vlmbalance_state["encoder_batch"] = batch
+    else:
+        inputs.update(family.image_inputs(batch))
     if labels:
         weight = float(batch.get("loss_weight") or 0.0)
         inputs["labels"] = batch["labels"]

@@ -179,9 +179,9 @@ class PackCollator:
             "image_positions": (
                 torch.cat(image_positions) if image_positions else torch.zeros(0, dtype=torch.long)
             ),
-            "image_fields": {k: _cat_padded(v, k) for k, v in layout.image_fields.items()},
+            "image_fields": {k: cat_padded(v, k) for k, v in layout.image_fields.items()},
             "token_fields": layout.token_fields,
-            "sample_fields": {k: _cat_padded(v, k) for k, v in layout.sample_fields.items()},
+            "sample_fields": {k: cat_padded(v, k) for k, v in layout.sample_fields.items()},
             "loss_tokens": loss_tokens,
             "global_loss_tokens": loss_tokens,
             "loss_weight": loss_weight(1, 1, loss_tokens),
@@ -443,7 +443,7 @@ def _check_token_field(
         )
 
 
-def _cat_padded(values: list[torch.Tensor], name: str) -> torch.Tensor:
+def cat_padded(values: list[torch.Tensor], name: str) -> torch.Tensor:
     """Concatenates along dim 0, zero-padding every other dimension to the largest."""
     if any(v.dim() != values[0].dim() or v.dtype != values[0].dtype for v in values):
         raise ValueError(

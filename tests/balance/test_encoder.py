@@ -16,7 +16,7 @@ from harness.jobs import check, result, run_jobs, selected
 from harness.ranks import run_ranks
 from lightning_vlmbalance.balance.encoder import encode_images, register_group, route_for
 from lightning_vlmbalance.balance.images import image_bound, plan_images
-from lightning_vlmbalance.balance.loader import _check_image_fields
+from lightning_vlmbalance.balance.loader import image_payload_fields
 from tests.balance.fits import fit_result, job, max_rel_diff
 
 # -- the planner ------------------------------------------------------------------------------
@@ -144,7 +144,9 @@ def _route_job(rank: int, world: int, encoder_cls: type) -> dict:
         own_encoder=PLAN[rank],
         foreign=foreign,
     )
-    batch["encoder_pixels"] = torch.cat([*pixels, torch.empty(0, FEATURE, dtype=torch.float64)])
+    batch["encoder_fields"] = {
+        "pixel_values": torch.cat([*pixels, torch.empty(0, FEATURE, dtype=torch.float64)])
+    }
     out = encode_images(encoder, batch)
     # the same loss at home: this rank's own images through its own encoder copy
     home = encode_images(encoder_cls(), _pack(SIZES[rank], seed=rank))
@@ -199,9 +201,31 @@ def test_an_encoder_with_other_row_counts_is_named() -> None:
 
 
 def test_a_per_image_field_the_balancer_does_not_know_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"per-image fields \['image_grid_thw'\]"):
-        _check_image_fields({"image_fields": {"image_grid_thw": torch.zeros(1, 3)}})
-    _check_image_fields({"image_fields": {}})  # none: nothing to refuse
+    pixels = torch.zeros(8, 3)
+    grid = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"image fields \['image_grid_thw'\] without their rows"):
+        image_payload_fields(
+            {
+                "image_fields": {"pixel_values": pixels, "image_grid_thw": grid},
+                "image_field_rows": {"pixel_values": [4, 4]},
+            }
+        )
+    with pytest.raises(ValueError, match=r"'pixel_values' has 8 rows but .* gives 6"):
+        image_payload_fields(
+            {
+                "image_fields": {"pixel_values": pixels},
+                "image_field_rows": {"pixel_values": [3, 3]},
+            }
+        )
+    fields = image_payload_fields(
+        {
+            "image_fields": {"pixel_values": pixels, "image_grid_thw": grid},
+            "image_field_rows": {"pixel_values": [4, 4], "image_grid_thw": [1, 1]},
+        }
+    )
+    assert fields["pixel_values"][1].tolist() == [0, 4, 8]
+    assert fields["image_grid_thw"][1].tolist() == [0, 1, 2]
+    assert image_payload_fields({"image_fields": {}}) == {}  # a text-only pack: nothing moves
 
 
 # -- real fits: the same parameters as without encoder balancing ------------------------------

@@ -21,10 +21,11 @@ from lightning_vlmbalance.hf.synthetic import tiny_config
 
 
 class CountPacks(L.Callback):
-    """Counts the packs this rank trains, and those without an image."""
+    """Counts the packs this rank trains, those without an image, and the images encoder
+    balancing sent to another rank."""
 
     def __init__(self, moe: vb.CompiledMoERouting | None = None) -> None:
-        self.packs = self.text_only = self.moe_layers = 0
+        self.packs = self.text_only = self.moe_layers = self.moved_images = 0
         self.sample_ids: list[int] = []
         self.moe = moe
 
@@ -34,6 +35,8 @@ class CountPacks(L.Callback):
             self.packs += 1
             self.text_only += int(meta["images"] == 0)
             self.sample_ids += list(meta["sample_ids"])
+        route = batch.get("encoder_route")
+        self.moved_images += 0 if route is None else route.moved_images
         if self.moe is not None:  # the routing is patched while fit runs
             self.moe_layers = max(self.moe_layers, len(self.moe.patched))
 
@@ -55,6 +58,16 @@ class ShardedHFVLM(HFVLM):
         fully_shard(self.model, mesh=mesh)  # the root: training_step calls self.model
 
 
+class SGDHFVLM(HFVLM):
+    """The example's module with plain SGD. For parity checks of LLaVA-OneVision: its SigLIP
+    attention has key biases whose gradient is exactly zero in exact arithmetic (softmax is
+    shift-invariant and there is no rotary position), so it is rounding noise, which AdamW
+    normalises into full-size steps of arbitrary sign."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -67,14 +80,30 @@ def main() -> None:
     p.add_argument("--moe", action="store_true", help="CompiledMoERouting on the experts")
     p.add_argument("--seq-len", type=int, default=0, help="default: 256, 512 for whole images")
     p.add_argument("--text-share", type=float, default=0.4)
+    p.add_argument("--max-images", type=int, default=2, help="images per sample, at most")
+    p.add_argument("--encoder", action="store_true", help="encoder balancing (image by image)")
+    p.add_argument("--sgd", action="store_true", help="SGD instead of AdamW")
     args = p.parse_args()
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     config = tiny_config(args.family)
     seq_len = args.seq_len or (256 if args.family.startswith("qwen") else 512)
-    data = HFData(config, n=120, seq_len=seq_len, text_share=args.text_share, seed=0)
-    model = ShardedHFVLM(config) if args.strategy.startswith("fsdp") else HFVLM(config)
+    data = HFData(
+        config,
+        n=120,
+        seq_len=seq_len,
+        text_share=args.text_share,
+        seed=0,
+        max_images=args.max_images,
+    )
+    model = (
+        ShardedHFVLM(config)
+        if args.strategy.startswith("fsdp")
+        else SGDHFVLM(config)
+        if args.sgd
+        else HFVLM(config)
+    )
     moe = vb.CompiledMoERouting(backend="aot_eager", log_every_n_steps=1) if args.moe else None
     counter = CountPacks(moe)
     callbacks: list[Any] = [counter] + ([moe] if moe else [])
@@ -82,9 +111,9 @@ def main() -> None:
         accelerator="cpu",
         devices=2,
         strategy=(
-            vb.VLMBalanceStrategy(mode=args.mode)
+            vb.VLMBalanceStrategy(mode=args.mode, encoder=args.encoder)
             if args.strategy == "vlmbalance"
-            else vb.FSDPVLMBalanceStrategy(mode=args.mode)
+            else vb.FSDPVLMBalanceStrategy(mode=args.mode, encoder=args.encoder)
             if args.strategy == "fsdp_vlmbalance"
             else "ddp"
         ),
@@ -99,7 +128,7 @@ def main() -> None:
     )
     trainer.fit(model, datamodule=data)
     everyone = trainer.strategy.all_gather(
-        torch.tensor([counter.packs, counter.text_only], dtype=torch.long)
+        torch.tensor([counter.packs, counter.text_only, counter.moved_images], dtype=torch.long)
     )
     ids: list[Any] = [None] * trainer.world_size
     torch.distributed.all_gather_object(ids, counter.sample_ids)
@@ -112,6 +141,7 @@ def main() -> None:
             "steps": trainer.global_step,
             "packs": everyone[:, 0].tolist(),
             "text_only": everyone[:, 1].tolist(),
+            "moved_images": everyone[:, 2].tolist(),
             "sample_ids": ids,
             "loss": float(trainer.callback_metrics["train/loss"]),
             "moe_layers": counter.moe_layers,

@@ -15,6 +15,7 @@ from tests.launch import run_module, run_modules
 
 JOB = "tests.hf.hf_fit_job"
 FP32 = ("--precision", "32-true")
+LLAVA = ("--family", "llava_onevision", "--max-images", "1", "--text-share", "0.75", "--sgd")
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +25,27 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [
             (JOB, "--out", str(root / "ddp"), "--strategy", "ddp"),
             (JOB, "--out", str(root / "vlmbalance"), "--strategy", "vlmbalance"),
+            (JOB, "--out", str(root / "encoder"), "--strategy", "vlmbalance", "--encoder"),
             (JOB, "--out", str(root / "moe"), "--family", "qwen3_vl_moe", "--moe", *FP32),
-            (JOB, "--out", str(root / "fsdp"), "--strategy", "fsdp_vlmbalance", *FP32),
-            # whole-image families, text-only packs in the mix
+            (JOB, "--out", str(root / "fsdp"), "--strategy", "fsdp_vlmbalance", "--encoder", *FP32),
+            # whole-image families, text-only packs in the mix; LLaVA-OneVision in float64 with
+            # encoder balancing against plain DDP (SGD: see hf_fit_job.SGDHFVLM)
+            (
+                JOB,
+                "--out",
+                str(root / "idefics3"),
+                "--family",
+                "idefics3",
+                *FP32,
+                "--text-share",
+                "0.9",
+            ),
             *[
-                (JOB, "--out", str(root / f), "--family", f, *FP32, "--text-share", share)
-                for f, share in (("llava_onevision", "0.75"), ("idefics3", "0.9"))
+                (JOB, "--out", str(root / name), *LLAVA, *extra)
+                for name, extra in (
+                    ("llava_onevision", ("--strategy", "vlmbalance", "--encoder")),
+                    ("llava_ddp", ("--strategy", "ddp")),
+                )
             ],
         ],
         parallel=2,
@@ -39,6 +55,14 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _result(root: Path, name: str) -> dict:
     return json.loads((root / name / "result.json").read_text())
+
+
+def _same_parameters(root: Path, a_name: str, b_name: str) -> None:
+    a = torch.load(root / a_name / "params.pt")
+    b = torch.load(root / b_name / "params.pt")
+    assert a.keys() == b.keys() and all(t.dtype == torch.float64 for t in a.values())
+    worst = max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30)) for k in a)
+    assert worst <= 1e-10, worst
 
 
 def test_vlmbalance_trains_the_hf_model_like_ddp_in_float64(fits: Path) -> None:
@@ -51,11 +75,24 @@ def test_vlmbalance_trains_the_hf_model_like_ddp_in_float64(fits: Path) -> None:
     # the same samples in all, but not on the same ranks: packs moved
     assert sorted(chain(*ddp["sample_ids"])) == sorted(chain(*vlm["sample_ids"]))
     assert [sorted(x) for x in ddp["sample_ids"]] != [sorted(x) for x in vlm["sample_ids"]]
-    a = torch.load(fits / "ddp" / "params.pt")
-    b = torch.load(fits / "vlmbalance" / "params.pt")
-    assert a.keys() == b.keys() and all(t.dtype == torch.float64 for t in a.values())
-    worst = max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30)) for k in a)
-    assert worst <= 1e-10, worst
+    _same_parameters(fits, "ddp", "vlmbalance")
+
+
+@pytest.mark.parametrize(
+    ("name", "baseline"), [("encoder", "ddp"), ("llava_onevision", "llava_ddp")]
+)
+def test_encoder_balancing_trains_the_hf_model_like_ddp_in_float64(
+    fits: Path, name: str, baseline: str
+) -> None:
+    """``VLMBalanceStrategy(encoder=True)`` on Qwen2.5-VL (per-image grids, window attention)
+    and LLaVA-OneVision (any-resolution tiles), 2 ranks, accumulation 2, text-only packs on
+    both ranks for LLaVA-OneVision: images were encoded on the other rank, every pack stayed on
+    its rank, and the parameters after 4 steps equal plain DDP's to 1e-10 relative."""
+    res, ddp = _result(fits, name), _result(fits, baseline)
+    assert res["steps"] == ddp["steps"] == 4
+    assert all(n > 0 for n in res["moved_images"]), res["moved_images"]
+    assert [sorted(x) for x in res["sample_ids"]] == [sorted(x) for x in ddp["sample_ids"]]
+    _same_parameters(fits, baseline, name)
 
 
 def test_compiled_moe_routing_trains_qwen3_vl_moe(fits: Path) -> None:
@@ -76,10 +113,12 @@ def test_whole_image_families_train_with_text_only_packs(fits: Path, family: str
 
 def test_fsdp_vlmbalance_trains_the_hf_model_with_text_only_packs(fits: Path) -> None:
     """Qwen2.5-VL sharded with FSDP2 (every decoder layer and vision block a unit) under
-    "fsdp_vlmbalance": a rank with a text-only pack still runs the vision tower's all-gather and
-    reduce-scatter (the dummy image), so no rank waits forever."""
+    "fsdp_vlmbalance" with encoder balancing: a rank with a text-only pack, or with no image to
+    encode, still runs the vision tower's all-gather and reduce-scatter (the dummy image), so no
+    rank waits forever."""
     res = _result(fits, "fsdp")
     assert res["steps"] == 4 and sum(res["text_only"]) > 0
+    assert all(n > 0 for n in res["moved_images"]), res["moved_images"]
     assert res["loss"] == res["loss"]
 
 
