@@ -87,7 +87,7 @@ PARTS = (
     ),
     Part(
         "offload",
-        0.31,
+        0.27,
         "benchmarks/offload_gpu.py: none vs save_on_cpu vs ours",
         ">= 40% less activation memory at <= 5% time, faster than save_on_cpu",
     ),
@@ -102,6 +102,12 @@ PARTS = (
         0.08,
         "exchange CUDA side in one process: staging copies, per-pack events, side stream",
         "packs bit-exact; training stream waits on its pack's event only; copies overlap compute",
+    ),
+    Part(
+        "encoder",
+        0.04,
+        "encode_images with a route on one GPU: the return all_to_all on NCCL (to itself)",
+        "rows and gradients = plain encoder call (bf16 tol); 0 host syncs; return cost in ms",
     ),
 )
 PART_NAMES = tuple(p.name for p in PARTS)
@@ -522,7 +528,7 @@ def part_exchange(smoke: bool) -> dict:
     """The exchange's device side: staging copies on the side stream, per-pack ready events.
 
     The module's own code runs for encoding (``encode_pack``), the side-stream context
-    (``_on_stream``), the per-pack events and decoding (``_decode_received``, with no NCCL work
+    (``on_stream``), the per-pack events and decoding (``_decode_received``, with no NCCL work
     to wait for) and the training stream's wait (``wait_pack_ready``). The staging copy and the
     receive buffer are written here as ``_send_specs`` / ``_recv_specs`` do them (they post
     point-to-point messages, which need a second rank); a device-to-device copy stands in for
@@ -554,16 +560,15 @@ def part_exchange(smoke: bool) -> dict:
     side = torch.cuda.Stream(device) if cuda else None
     events: dict[int, Any] = {}
     incoming = [(p, 1) for p in packs]
-    with ex._on_stream(device, side):
+    with ex.on_stream(device, side):
         buffers = {}
         for p, (spec, _) in encoded.items():
             staged = pinned[p].to(device, non_blocking=True)  # as _send_specs stages a payload
             buf = torch.empty(staged.numel(), dtype=torch.uint8, device=device)  # _recv_specs
             buf.copy_(staged, non_blocking=True)  # stands in for the NCCL transfer
             buffers[p] = (spec, buf)
-        if cuda:  # the loader thread waits for every transfer (_wait_all polls the works)
-            while not side.query():
-                time.sleep(2e-4)
+        # no host wait (as exchange_packs on CUDA): each pack's event is recorded on the side
+        # stream after its own transfer
         received = ex._decode_received(incoming, buffers, {}, cuda, side, events)
     out["bit_exact"] = all(_same(received[p], packs[p]) for p in packs)
     out["events_per_pack"] = sorted(events) == sorted(packs) if cuda else None
@@ -650,8 +655,108 @@ def part_exchange(smoke: bool) -> dict:
     return out
 
 
+def part_encoder(smoke: bool) -> dict:
+    """Encoder balancing's step-path code on one device: ``encode_images`` with a route that
+    keeps some images and "sends" the last one to rank 0 of a 1-rank group (itself), so the
+    return's ``all_to_all`` and its backward run for real (NCCL on the GPU, gloo on the CPU).
+    The embeddings and the encoder's gradients must equal the plain call; the routed call must
+    add no host synchronisation; the cost of the route over the plain call is timed. The pixel
+    transfer between ranks is the pack exchange's (part ``exchange``); returns between two GPUs
+    are not checked here (one GPU)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import lightning_vlmbalance as vb
+    from lightning_vlmbalance.balance.encoder import ImageRoute, register_group
+
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29_000 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    register_group("gpu-check", None)
+    sizes = [1280, 768, 1280, 768, 1280] if cuda else [12, 8, 12]
+    width = 1176 if cuda else 16  # Qwen-VL's patch row: 3 x 2 x 14 x 14
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(
+        torch.nn.Linear(width, 1024 if cuda else 32), torch.nn.GELU(), torch.nn.Linear(
+            1024 if cuda else 32, 1024 if cuda else 32)
+    ).to(device, dtype)  # fmt: skip
+
+    def run(pixels: torch.Tensor, cu: torch.Tensor, mx: int) -> torch.Tensor:
+        return encoder(pixels)
+
+    rows = sum(sizes)
+    pixels = torch.randn(rows, width, device=device, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    plain = {
+        "pixel_values": pixels,
+        "image_cu_seqlens": cu.to(device),
+        "image_max_seqlen": max(sizes),
+    }
+    last = len(sizes) - 1
+    routed = {
+        **plain,
+        "encoder_route": ImageRoute(
+            group="gpu-check",
+            rank=0,
+            world=1,
+            own_sizes=sizes,
+            keep=list(range(last)),
+            send=[[last]],
+            recv_sizes=[[sizes[last]]],
+        ),
+        "encoder_fields": {"pixel_values": pixels[rows - sizes[last] :]},
+    }
+
+    def step(batch: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        encoder.zero_grad(set_to_none=True)
+        out = vb.encode_images(run, batch)
+        out.float().square().mean().backward()
+        return out.detach(), [p.grad.detach().clone() for p in encoder.parameters()]
+
+    want, want_grads = step(plain)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, got_grads = step(routed)
+    if cuda:
+        torch.cuda.set_sync_debug_mode(0)
+    tol = 2e-2 if cuda else 1e-5
+    out_err = float((got.float() - want.float()).abs().max())
+    grad_err = max(
+        float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+        for a, b in zip(got_grads, want_grads)
+    )
+    reps, warmup = (20, 5) if cuda else (3, 1)
+    plain_ms = _median_ms(lambda: step(plain), warmup, reps, cuda)
+    routed_ms = _median_ms(lambda: step(routed), warmup, reps, cuda)
+    dist.destroy_process_group()
+    out = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "backend": "nccl" if cuda else "gloo",
+        "images": len(sizes),
+        "image_tokens": rows,
+        "max_abs_err": out_err,
+        "grad_rel_err": grad_err,
+        "host_syncs": sum("synchroniz" in str(w.message) for w in caught) if cuda else None,
+        "plain_ms": plain_ms,
+        "routed_ms": routed_ms,
+        "route_cost_ms": routed_ms - plain_ms,
+    }
+    out["goal_met"] = (
+        bool(out_err <= tol and grad_err <= tol and out["host_syncs"] == 0) if cuda else None
+    )
+    return out
+
+
 CHILD_PARTS = {"attention": part_attention, "monitor": part_monitor, "moe": part_moe,
-               "exchange": part_exchange}  # fmt: skip
+               "exchange": part_exchange, "encoder": part_encoder}  # fmt: skip
 
 
 def _child(name: str, smoke: bool) -> None:
@@ -778,6 +883,14 @@ def _summarize(part: str, result: dict | None, smoke: bool) -> tuple[str, bool |
             f"H2D {result['h2d_gib_per_s']:.1f} GiB/s",
             f"overlap {result['overlap_frac']:.0%}",
             "NCCL: " + (f"test {result['nccl_test']}" if result["nccl_test"] else "needs 2 GPUs"),
+        ]
+        return "; ".join(cells), result.get("goal_met")
+    if part == "encoder":
+        cells = [
+            f"{result['images']} images {result['backend']}",
+            f"err {_fmt(result['max_abs_err'])} (grads {_fmt(result['grad_rel_err'])})",
+            f"host syncs {_fmt(result['host_syncs'])}",
+            f"plain {_fmt(result['plain_ms'])} ms, routed {_fmt(result['routed_ms'])} ms",
         ]
         return "; ".join(cells), result.get("goal_met")
     return "", None

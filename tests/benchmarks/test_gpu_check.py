@@ -16,7 +16,7 @@ import pytest
 from harness.jobs import result_of
 from tests.benchmarks.scripts import load
 
-PARTS = ["pytest", "attention", "monitor", "offload", "moe", "exchange"]
+PARTS = ["pytest", "attention", "monitor", "offload", "moe", "exchange", "encoder"]
 
 
 def _smoke_argv(out: Path) -> list[str]:
@@ -82,10 +82,16 @@ def test_smoke_run_reports_every_part(smoke_runs) -> None:
     assert exchange["bit_exact"] is True
     assert "no CUDA: stream/event path not exercised" in exchange["note"]
 
+    encoder = parts["encoder"]["result"]  # the return's all_to_all on a 1-rank gloo group
+    assert encoder["backend"] == "gloo" and encoder["images"] == 3
+    assert encoder["max_abs_err"] <= 1e-5 and encoder["grad_rel_err"] <= 1e-5
+
     # the table comes before the JSON, one row per part; --out holds the same report
     lines = run.proc.stdout.splitlines()
     header = lines.index("| part | status | s | key numbers | goal |")
-    assert [line.split("|")[1].strip() for line in lines[header + 2 : header + 8]] == PARTS
+    assert [
+        line.split("|")[1].strip() for line in lines[header + 2 : header + 2 + len(PARTS)]
+    ] == PARTS
     out = run.out / "report"
     written = json.loads((out / "gpu_check.json").read_text())
     assert [p["status"] for p in written["parts"]] == [p["status"] for p in report["parts"]]
