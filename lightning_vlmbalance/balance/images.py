@@ -317,20 +317,45 @@ def _add(level: np.ndarray, rank: np.ndarray, j: int, c: float) -> float:
 @njit(cache=True, nogil=True)
 def _greedy(base: np.ndarray, cost: np.ndarray, home: np.ndarray, order: np.ndarray) -> np.ndarray:
     """Longest first: each image to the least loaded rank (its home if that is as little
-    loaded), the ranks kept sorted by load."""
+    loaded). The ranks are kept in an indexed binary min-heap of loads (``O(log R)`` per image:
+    with equal bases a sorted list would move a rank past every equal one)."""
+    R = len(base)
     load = base.copy()
-    rank = np.argsort(load, kind="mergesort")
-    level = load[rank]
+    heap = np.argsort(load, kind="mergesort")  # a sorted array is a valid min-heap
+    pos = np.empty(R, dtype=np.int64)
+    for i in range(R):
+        pos[heap[i]] = i
     encoder = np.empty(len(cost), dtype=np.int64)
     for n in order:
-        j = 0
-        if load[home[n]] <= level[0]:  # home is among the least loaded: find its place
-            while rank[j] != home[n]:
-                j += 1
-        r = rank[j]
+        r = home[n] if load[home[n]] <= load[heap[0]] else heap[0]
         encoder[n] = r
-        load[r] = _add(level, rank, j, cost[n])  # (``rank`` is reordered in place)
+        load[r] += cost[n]
+        _sift_down(heap, pos, load, pos[r])
     return encoder
+
+
+@njit(cache=True, nogil=True)
+def _sift_down(heap: np.ndarray, pos: np.ndarray, load: np.ndarray, i: int) -> None:
+    """Restores the min-heap order of ``heap`` (ranks keyed by ``load``, ties by rank) below
+    position ``i`` after the load of ``heap[i]`` grew; ``pos`` follows every rank."""
+    R = len(heap)
+    while True:
+        child = 2 * i + 1
+        if child >= R:
+            return
+        right = child + 1
+        if right < R and _before(load, heap[right], heap[child]):
+            child = right
+        if not _before(load, heap[child], heap[i]):
+            return
+        heap[i], heap[child] = heap[child], heap[i]
+        pos[heap[i]], pos[heap[child]] = i, child
+        i = child
+
+
+@njit(cache=True, nogil=True)
+def _before(load: np.ndarray, a: int, b: int) -> bool:
+    return load[a] < load[b] or (load[a] == load[b] and a < b)
 
 
 @njit(cache=True, nogil=True)
