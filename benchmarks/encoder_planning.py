@@ -30,6 +30,9 @@ same with or without the plan):
 * ``waste_planned``: with the plan, ``max llm + max plan.load`` per micro-step;
 * ``waste_bound``: ``max llm + plan.bound``, the least any assignment of the micro-step's
   images could give (for the micro-steps as ordered);
+* ``waste_bound_lp``: the same with the configuration LP's tighter bound
+  (:func:`~lightning_vlmbalance.balance.image_lp.lp_bound`, for reports only: too slow for the
+  planner's search); where it equals ``waste_planned`` the plan is proven optimal;
 * ``moved_fraction`` (images encoded away from home / images) and ``images_per_rank`` (images
   per rank and micro-step);
 * ``plan_ms``: median wall time of one ``plan_images`` call (single thread, after one untimed
@@ -74,6 +77,7 @@ from packing import DEFAULT_FILES, SHARED_DATA, BenchmarkError, load
 from planner import replicate
 
 from lightning_vlmbalance.balance import CostModel, features_from_packs
+from lightning_vlmbalance.balance.image_lp import lp_bound
 from lightning_vlmbalance.balance.images import PackImages, order_micro_steps, plan_images
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
 from lightning_vlmbalance.sim.cli import comma_list
@@ -220,7 +224,7 @@ def _waste(ideal: float, step: float) -> float:
 def run_config(data: RankImages, dp: int, ga: int, args: argparse.Namespace) -> dict:
     P, pack_images = data.packs_per_rank, data.images
     base = np.full(dp, pack_images.per_call_ms)
-    sums = dict.fromkeys(("off", "planned", "bound", "moved", "images"), 0.0)
+    sums = dict.fromkeys(("off", "planned", "bound", "bound_lp", "moved", "images"), 0.0)
     call_ms: list[float] = []
     batch_ms: list[float] = []
     order_ms: list[float] = []
@@ -237,7 +241,7 @@ def run_config(data: RankImages, dp: int, ga: int, args: argparse.Namespace) -> 
             ):
                 failures.append(f"batch {b}: order_micro_steps is not a permutation per rank")
             placed = np.take_along_axis(read, steps, axis=1)
-        ideal = step_off = step_planned = step_bound = 0.0
+        ideal = step_off = step_planned = step_bound = step_lp = 0.0
         moved = images = 0
         spent = 0.0
         for m in range(ga):
@@ -258,12 +262,19 @@ def run_config(data: RankImages, dp: int, ga: int, args: argparse.Namespace) -> 
             llm = pack_images.llm_ms[packs]
             step_planned += float(llm.max() + plan.load.max())
             step_bound += float(llm.max() + plan.bound)
+            tight = lp_bound(
+                pack_images.per_call_ms, cost, dp, upper=float(plan.load.max()), lower=plan.bound
+            )
+            if tight > plan.load.max() + 1e-6:
+                failures.append(f"batch {b} micro-step {m}: LP bound {tight} above the plan")
+            step_lp += float(llm.max() + tight)
             moved += plan.moved_images
             images += len(cost)
         batch_ms.append(spent)
         sums["off"] += _waste(ideal, step_off)
         sums["planned"] += _waste(ideal, step_planned)
         sums["bound"] += _waste(ideal, step_bound)
+        sums["bound_lp"] += _waste(ideal, step_lp)
         sums["moved"] += moved / images if images else 0.0
         sums["images"] += images / (dp * ga)
     n = args.batches
@@ -273,6 +284,7 @@ def run_config(data: RankImages, dp: int, ga: int, args: argparse.Namespace) -> 
         "waste_off": round(sums["off"] / n, 6),
         "waste_planned": round(sums["planned"] / n, 6),
         "waste_bound": round(sums["bound"] / n, 6),
+        "waste_bound_lp": round(sums["bound_lp"] / n, 6),
         "moved_fraction": round(sums["moved"] / n, 6),
         "images_per_rank": round(sums["images"] / n, 4),
         "plan_ms": round(float(np.median(call_ms)), 4),
@@ -326,13 +338,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"text_share={args.text_share} seq_len={args.seq_len} batches={args.batches}")
     print(
         f"{'mix':<{width}} {'dp':>5} {'ga':>3} {'img/rank':>8} {'waste off':>9} {'planned':>8}"
-        f" {'bound':>8} {'moved':>7} {'plan ms':>8} {'ms/batch':>9} {'order ms':>8}"
+        f" {'bound':>8} {'LP bound':>8} {'moved':>7} {'plan ms':>8} {'ms/batch':>9}"
+        f" {'order ms':>8}"
     )
     ok = True
     for r in rows:
         print(
             f"{r['mix']:<{width}} {r['dp']:>5} {r['ga']:>3} {r['images_per_rank']:>8.2f}"
             f" {r['waste_off']:>9.4f} {r['waste_planned']:>8.4f} {r['waste_bound']:>8.4f}"
+            f" {r['waste_bound_lp']:>8.4f}"
             f" {r['moved_fraction']:>7.3f} {r['plan_ms']:>8.3f}"
             f" {r['plan_ms_per_global_batch']:>9.3f} {r['order_ms']:>8.3f}"
         )

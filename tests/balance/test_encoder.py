@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from harness.jobs import check, result, run_jobs, selected
 from harness.ranks import run_ranks
 from lightning_vlmbalance.balance.encoder import encode_images, register_group, route_for
+from lightning_vlmbalance.balance.image_lp import lp_bound, lp_min_ranks
 from lightning_vlmbalance.balance.images import image_bound, plan_images
 from lightning_vlmbalance.balance.loader import image_payload_fields
 from tests.balance.fits import fit_result, job, max_rel_diff
@@ -54,6 +55,39 @@ def test_the_plan_is_between_the_bound_and_home_and_never_worse_than_the_greedy(
     assert image_bound(b, c) <= optimum + 1e-9 and plan.bound <= optimum + 1e-9
     assert optimum - 1e-9 <= load.max() <= plan.load_home.max() + 1e-9
     assert load.max() <= optimum + max(cost, default=0) + 1e-9
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ranks=st.integers(2, 4),
+    cost=st.lists(st.sampled_from([3.0, 5.0, 8.0, 13.0]), min_size=1, max_size=7),
+    base=st.sampled_from([0.0, 4.0]),
+)
+def test_the_lp_bound_never_exceeds_the_optimum(ranks, cost, base) -> None:
+    """The configuration LP's bound (a report's tighter bound) is a lower bound: never above
+    the brute-force optimum of equal ranks, never below the cheap bound it starts from."""
+    b, c = np.full(ranks, base), np.array(cost)
+    optimum = _brute_force_max(b, c)
+    cheap = image_bound(b, c)
+    tight = lp_bound(base, c, ranks, upper=optimum, lower=cheap)
+    assert cheap - 1e-9 <= tight <= optimum + 1e-9, (cheap, tight, optimum)
+
+
+def test_the_lp_bound_proves_what_the_cheap_bound_cannot() -> None:
+    """chartqa's shape at 512 ranks: 1,501 images of 1,075 ms, 108 of 645 and 53 of 215, a
+    per-call cost of 180 ms. Three large images leave no room for a middle one; the middle ones
+    force 54 ranks with at most two large, and the large ones then need more than 512 ranks
+    below a load of 180 + 3 x 1,075 + 645: the plan is optimal. The cheap bound stays at or
+    below 180 + 3 x 1,075 + 215."""
+    cost = np.array([1075.2] * 1501 + [645.1] * 108 + [215.0] * 53)
+    base = np.full(512, 180.0)
+    plan = plan_images(base, cost, np.arange(len(cost)) % 512)
+    cheap = image_bound(base, cost)
+    tight = lp_bound(180.0, cost, 512, upper=float(plan.load.max()), lower=cheap)
+    assert cheap <= 180 + 3 * 1075.2 + 215.0 + 1e-6
+    assert tight == pytest.approx(180 + 3 * 1075.2 + 645.1) == pytest.approx(plan.load.max())
+    # the relaxation's own count at the cheap bound's capacity: more than 512 ranks
+    assert lp_min_ranks(np.array([1075.2, 645.1, 215.0]), np.array([1501, 108, 53]), 3440.6) > 512
 
 
 def test_images_stay_home_where_moving_gains_nothing() -> None:
