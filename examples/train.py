@@ -62,6 +62,8 @@ from lightning_vlmbalance.timing import WAIT_PHASES
 
 MODES = ("off", "overlap", "sync", "source", "encoder")
 COMPARED = ("off", "overlap", "source", "encoder")
+# the strategies that balance, by --strategy name
+BALANCING = {"vlmbalance": vb.VLMBalanceStrategy, "fsdp_vlmbalance": vb.FSDPVLMBalanceStrategy}
 WARMUP_STEPS = 5  # optimizer steps left out of the median step time (a secondary figure)
 ROUNDS = 2  # each compared mode trains this many times, in ABBA order
 _RUN_DIR_ENV = "VLMBALANCE_MAIN_JOB_DIR"  # the run folder, handed to the other ranks
@@ -399,10 +401,11 @@ def fit_mode(
     )
     monitor = vb.StragglerMonitor(log_every_n_steps=10)
     summary = RunSummary(monitor, mode)
-    if args.strategy == "vlmbalance" and args.devices > 1:
+    if args.strategy in BALANCING and args.devices > 1:
         # "source": the strategy sees the balanced loader and moves nothing
         # "encoder": packs ordered over the micro-steps in the background, images balanced
-        strategy: Any = vb.VLMBalanceStrategy(
+        # "fsdp_vlmbalance": the example VLM shards itself (ToyVLM.configure_model)
+        strategy: Any = BALANCING[args.strategy](
             mode={"source": "off", "encoder": "overlap"}.get(mode, mode),
             encoder=mode == "encoder",
             cost_model=cost_model,
@@ -478,7 +481,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--root", default="runs")
     p.add_argument("--no-progress-bar", action="store_true")
     p.add_argument(
-        "--strategy", default="vlmbalance", choices=("vlmbalance", "ddp"), help="with --devices > 1"
+        "--strategy",
+        default="vlmbalance",
+        choices=(*BALANCING, "ddp"),
+        help="with --devices > 1; fsdp_vlmbalance: FSDP2, the ranks meet at every micro-batch",
     )
     p.add_argument(
         "--balance-mode",
@@ -494,7 +500,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     torch.set_num_threads(1)  # one core per rank: two ranks must not fight over two cores
     table = build_table(args)
-    single = args.strategy != "vlmbalance" or args.devices == 1
+    single = args.strategy not in BALANCING or args.devices == 1
     modes = (
         ["ddp" if args.strategy == "ddp" and args.devices > 1 else "off"]
         if single

@@ -238,3 +238,22 @@ class ToyVLM(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.cfg.lr)
+
+    def configure_model(self) -> None:
+        """Under ``"fsdp_vlmbalance"`` (or any ``ModelParallelStrategy``): FSDP2 over the
+        data-parallel mesh (:meth:`shard`); under other strategies nothing."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):
+            self.shard(self.device_mesh["data_parallel"])
+
+    def shard(self, mesh: Any) -> None:
+        """FSDP2 over ``mesh`` (the data-parallel mesh): every vision and language block and the
+        embeddings (called outside the language model's forward) a unit of their own, the rest
+        of the model the root unit, whose forward comes first. Call it from
+        ``configure_model`` under ``"fsdp_vlmbalance"`` / ``ModelParallelStrategy``."""
+        from torch.distributed.fsdp import fully_shard
+
+        for block in [*self.vision.blocks, *self.llm.blocks, self.llm.embed, self.llm.pos]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)

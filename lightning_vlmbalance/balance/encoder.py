@@ -28,8 +28,7 @@ else). Without a route (balancing off) :func:`encode_images` is the plain encode
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_vlmbalance.timing.timer import ENCODER_RETURN
+from lightning_vlmbalance.timing.timer import ENCODER_RETURN, host_phase
 
 __all__ = [
     "ImageRoute",
@@ -62,17 +61,6 @@ def time_returns(timer: Any, *, on: bool = True) -> None:
         _TIMERS.append(timer)
     elif not on and timer in _TIMERS:
         _TIMERS.remove(timer)
-
-
-@contextlib.contextmanager
-def _timed() -> Iterator[None]:
-    for timer in _TIMERS:
-        timer.start(ENCODER_RETURN, host=True)
-    try:
-        yield
-    finally:
-        for timer in _TIMERS:
-            timer.stop(ENCODER_RETURN)
 
 
 def register_group(name: str, group: dist.ProcessGroup | None) -> None:
@@ -146,7 +134,7 @@ class _ReturnEmbeddings(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (send_splits, recv_splits), group
         out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        with _timed():
+        with host_phase(_TIMERS, ENCODER_RETURN):
             dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
         return out
 
@@ -154,7 +142,7 @@ class _ReturnEmbeddings(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         send_splits, recv_splits = ctx.splits
         out = grad.new_empty((sum(send_splits), *grad.shape[1:]))
-        with _timed():
+        with host_phase(_TIMERS, ENCODER_RETURN):
             dist.all_to_all_single(
                 out, grad.contiguous(), send_splits, recv_splits, group=ctx.group
             )

@@ -27,6 +27,7 @@ from lightning_vlmbalance.timing import (
     custom_scalars_layout,
     timed_comm_hook,
 )
+from lightning_vlmbalance.timing.collectives import time_collectives
 from lightning_vlmbalance.timing.timer import HOST
 
 __all__ = ["StragglerMonitor"]
@@ -166,6 +167,8 @@ class StragglerMonitor(Callback):
         self._patch_loop(trainer)
         self._register_cpu_comm_hook(trainer)
         encoder.time_returns(self.timer)  # encoder balancing's returns: ``encoder_return``
+        # FSDP2's all-gathers and reduce-scatters (a no-op for DDP): ``collective_wait``
+        time_collectives(self.timer)
         self._timing_returns = self.timer
         directory = Path(self.jsonl_dir) if self.jsonl_dir else None
         if directory is None:
@@ -333,6 +336,7 @@ class StragglerMonitor(Callback):
         self._fitting = False
         if self._timing_returns is not None:
             encoder.time_returns(self._timing_returns, on=False)
+            time_collectives(self._timing_returns, on=False)
             self._timing_returns = None
         for handle in self._handles:
             handle.remove()

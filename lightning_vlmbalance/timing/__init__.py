@@ -1,6 +1,7 @@
 """Straggler timing core: per-rank phase timers, the comm-hook wait timer, straggler statistics,
 and :class:`StragglerRecorder`, one rank's JSON lines and whole-run totals (no Lightning)."""
 
+from lightning_vlmbalance.timing.collectives import time_collectives
 from lightning_vlmbalance.timing.comm_hook import timed_comm_hook
 from lightning_vlmbalance.timing.monitor import StragglerRecorder
 from lightning_vlmbalance.timing.summary import (
@@ -13,6 +14,7 @@ from lightning_vlmbalance.timing.summary import (
     window_row,
 )
 from lightning_vlmbalance.timing.timer import (
+    COLLECTIVE_WAIT,
     COMPUTE_PHASES,
     DEVICE_PHASES,
     ENCODER_RETURN,
@@ -25,6 +27,7 @@ from lightning_vlmbalance.timing.timer import (
 )
 
 __all__ = [
+    "COLLECTIVE_WAIT",
     "COMPUTE_PHASES",
     "DEVICE_PHASES",
     "ENCODER_RETURN",
@@ -41,6 +44,7 @@ __all__ = [
     "per_rank_metrics",
     "stats_from_waits",
     "straggler_stats",
+    "time_collectives",
     "timed_comm_hook",
     "window_row",
 ]

@@ -36,11 +36,18 @@ import torch.distributed as dist
 
 from lightning_vlmbalance.timing.summary import (
     SERIES,
+    collective_waits,
     per_rank_metrics,
     stats_from_waits,
     window_row,
 )
-from lightning_vlmbalance.timing.timer import MEASURED_PHASES, WAIT_PHASES, ResolvedStep, StepTimer
+from lightning_vlmbalance.timing.timer import (
+    COLLECTIVE_WAIT,
+    MEASURED_PHASES,
+    WAIT_PHASES,
+    ResolvedStep,
+    StepTimer,
+)
 
 __all__ = ["AllGather", "StragglerRecorder"]
 
@@ -150,8 +157,13 @@ class StragglerRecorder:
         self.collect()
         self.flush()
         row = torch.tensor(window_row(self._window), dtype=torch.float64)
+        calls = [ms for step in self._window for ms in step.collective_calls_ms]
         self._window.clear()
         table = _all_gather_rows(row, all_gather)  # (R, 1 + len(SERIES))
+        # time in FSDP's collectives -> the wait there, call by call (all ranks decide alike
+        # from the gathered table whether to gather the calls: only where collectives ran)
+        if table[:, 1 + MEASURED_PHASES.index(COLLECTIVE_WAIT)].any():
+            table = collective_waits(table, _gather_calls(calls, all_gather))
         self.steps_timed += int(table[:, 0].min())
         self.total_step_ms += table[:, -1]
         for column in _WAIT_COLUMNS:
@@ -207,6 +219,17 @@ class StragglerRecorder:
         self.total_step_ms = np.asarray(state_dict["total_step_ms"], dtype=np.float64)
         self.total_wait_ms = np.asarray(state_dict["total_wait_ms"], dtype=np.float64)
         self.steps_timed = int(state_dict["steps_timed"])
+
+
+def _gather_calls(
+    calls: list[float], all_gather: AllGather | dist.ProcessGroup | None
+) -> np.ndarray | None:
+    """Every rank's collective-call durations of the window, ``(R, C)``; ``None`` when the
+    ranks made different numbers of calls (two small all-gathers, at log points only)."""
+    counts = _all_gather_rows(torch.tensor([float(len(calls))], dtype=torch.float64), all_gather)
+    if counts.min() != counts.max() or counts.max() == 0:
+        return None
+    return _all_gather_rows(torch.tensor(calls, dtype=torch.float64), all_gather)
 
 
 def _all_gather_rows(

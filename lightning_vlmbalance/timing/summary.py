@@ -3,8 +3,10 @@
 Given each rank's mean phase times per optimizer step, the rank-time lost to waiting and who made
 the others wait:
 
-- ``waste_frac``: time spent waiting at synchronisation points (``sync_wait`` +
-  ``lightning_sync``) summed over ranks, over the total rank-time (step time summed over ranks).
+- ``waste_frac``: time spent waiting at synchronisation points (``WAIT_PHASES``: the gradient
+  all-reduce, Lightning's barriers, encoder balancing's returns, FSDP's collectives beyond their
+  own cost, see :func:`collective_waits`) summed over ranks, over the total rank-time (step time
+  summed over ranks).
   0 when ranks are perfectly balanced; with one straggler, about ``(R - 1) / R`` of its extra time.
 - ``worst_rank``: the rank with the most *busy* time (step time minus waits): the straggler.
 - ``max_over_median``: busiest rank's busy time over the median rank's.
@@ -17,11 +19,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_vlmbalance.timing.timer import MEASURED_PHASES, WAIT_PHASES, ResolvedStep
+from lightning_vlmbalance.timing.timer import (
+    COLLECTIVE_WAIT,
+    MEASURED_PHASES,
+    WAIT_PHASES,
+    ResolvedStep,
+)
 
 __all__ = [
     "SERIES",
     "StragglerStats",
+    "collective_waits",
     "custom_scalars_layout",
     "per_rank_metrics",
     "stats_from_waits",
@@ -85,6 +93,34 @@ def window_row(steps: Sequence[ResolvedStep]) -> np.ndarray:
         row[1:-1] += [step.phases_ms[p] for p in MEASURED_PHASES]
         row[-1] += step.step_ms
     return row
+
+
+_COLLECTIVE = 1 + MEASURED_PHASES.index(COLLECTIVE_WAIT)  # its column in a gathered row
+
+
+def collective_waits(table: np.ndarray, calls: np.ndarray | None = None) -> np.ndarray:
+    """The gathered rows (``(R, 1 + len(SERIES))``, the same steps on every rank) with the
+    ``collective_wait`` column turned from the time each rank spent in FSDP's collectives into
+    its wait there.
+
+    In a blocking collective the rank that arrives last waits for nobody: its time is the
+    collective's own cost (the transfer, the copies), which every rank pays and which is busy
+    time, not waiting. With ``calls`` (``(R, C)``: every rank's duration of each of the
+    window's ``C`` collective calls, in the order all ranks make them) a rank's wait is the sum
+    over the calls of its duration less the shortest of that call: exact, whichever rank is
+    last at each call. Without them (or when the ranks' call counts differ) the excess over the
+    rank that spent the least over the whole window, which comes out low where the last rank
+    to arrive changes from call to call."""
+    table = np.array(table, dtype=np.float64)
+    steps = table[:, 0]
+    if len(table) < 2 or steps.min() <= 0:
+        return table
+    if calls is not None and calls.ndim == 2 and calls.shape[0] == len(table) and calls.size:
+        table[:, _COLLECTIVE] = (calls - calls.min(axis=0)).sum(axis=1)
+        return table
+    per_step = table[:, _COLLECTIVE] / steps
+    table[:, _COLLECTIVE] = (per_step - per_step.min()) * steps
+    return table
 
 
 def per_rank_metrics(table: np.ndarray) -> dict[str, float]:

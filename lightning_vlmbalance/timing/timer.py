@@ -26,6 +26,16 @@ Phases (milliseconds per optimizer step, summed over its micro-batches):
                     (forward) and of their gradients (backward): an all-to-all every rank
                     enters, so mostly waiting for the rank whose encoder finished last (plus
                     the transfer); excluded from the phase it is nested in
+``collective_wait`` under FSDP2 (``"fsdp_vlmbalance"``, ``ModelParallelStrategy``): the time
+                    this rank spends in FSDP's parameter all-gathers and gradient
+                    reduce-scatters, which every rank of the data-parallel group enters layer
+                    by layer, so mostly waiting for the slowest (plus the transfers and their
+                    copies); excluded from the phase it is nested in (host clock: measured on
+                    the CPU, where gloo blocks the calling thread; see
+                    :mod:`lightning_vlmbalance.timing.collectives`). The JSON lines hold the
+                    time in the collectives; the gathered totals and TensorBoard hold the
+                    wait: call by call, the time less the shortest any rank spent in that
+                    call (the call's own cost, busy time: ``summary.collective_waits``)
 ``step``            the whole optimizer step, first micro-batch to optimizer end (host), less
                     its pauses
 ==================  ==========================================================================
@@ -39,14 +49,17 @@ save): :meth:`StepTimer.pause` stops the step's clock from the end of its last m
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 __all__ = [
+    "COLLECTIVE_WAIT",
     "COMPUTE_PHASES",
     "DEVICE_PHASES",
     "ENCODER_RETURN",
@@ -56,6 +69,7 @@ __all__ = [
     "WAIT_PHASES",
     "ResolvedStep",
     "StepTimer",
+    "host_phase",
 ]
 
 # The phases the monitor measures per micro-batch (the modelled ones, which the cost model
@@ -63,6 +77,7 @@ __all__ = [
 SYNC_WAIT = "sync_wait"  # the wait at the gradient all-reduce
 LIGHTNING_SYNC = "lightning_sync"  # the wait at Lightning's per-micro-batch flag broadcast
 ENCODER_RETURN = "encoder_return"  # the all-to-all of image embeddings under encoder balancing
+COLLECTIVE_WAIT = "collective_wait"  # FSDP's all-gathers and reduce-scatters
 COMPUTE_PHASES = ("vision_fwd", "llm_fwd", "backward")
 MEASURED_PHASES = (
     "data",
@@ -71,8 +86,9 @@ MEASURED_PHASES = (
     SYNC_WAIT,
     LIGHTNING_SYNC,
     ENCODER_RETURN,
+    COLLECTIVE_WAIT,
 )
-WAIT_PHASES = (SYNC_WAIT, LIGHTNING_SYNC, ENCODER_RETURN)
+WAIT_PHASES = (SYNC_WAIT, LIGHTNING_SYNC, ENCODER_RETURN, COLLECTIVE_WAIT)
 DEVICE_PHASES = (*COMPUTE_PHASES, "optimizer", SYNC_WAIT)  # timed with device events on CUDA
 
 
@@ -161,6 +177,9 @@ class ResolvedStep:
     micro: list[dict[str, Any]]  # per micro-batch: features and phase milliseconds
     between_steps_ms: float = 0.0  # waits for others' work outside training (first broadcast...)
     outside_step_ms: float = 0.0  # this rank's own work outside training inside the step
+    # each ``collective_wait`` interval in order (every rank calls FSDP's collectives in the
+    # same order: the monitor compares them call by call across ranks)
+    collective_calls_ms: list[float] = field(default_factory=list)
 
     def to_json(self, rank: int, world_size: int) -> dict[str, Any]:
         return {
@@ -278,6 +297,13 @@ class StepTimer:
         """Whether the current optimizer step has started (its first mark was taken)."""
         return self._step is not None
 
+    @property
+    def in_micro_batch(self) -> bool:
+        """Whether a training micro-batch is being timed now (enabled, inside a step, not
+        paused for validation or a save): where work that interrupts phases (a collective's
+        wait) belongs to the step."""
+        return self.enabled and self._step is not None and self._paused_at is None
+
     def between_steps(self, ms: float) -> None:
         """Records a wait for work outside training (before the next step starts, or after a
         pause inside it): reported as ``between_steps_ms``, never counted as waiting."""
@@ -333,9 +359,30 @@ class StepTimer:
         return out
 
 
+@contextlib.contextmanager
+def host_phase(timers: Iterable[StepTimer], phase: str) -> Iterator[None]:
+    """Times the block as ``phase`` (host clock) on each of ``timers`` that is inside a
+    training micro-batch (:attr:`StepTimer.in_micro_batch`): work that interrupts the phases
+    around it, such as a wait inside a collective, and is excluded from them."""
+    active = [t for t in timers if t.in_micro_batch]
+    for t in active:
+        t.start(phase, host=True)
+    try:
+        yield
+    finally:
+        for t in active:
+            t.stop(phase)
+
+
 def _resolve(step: _Step) -> ResolvedStep:
     phases = dict.fromkeys(MEASURED_PHASES, 0.0)
     micro_out = []
+    calls = [
+        max(i.ms(), 0.0)
+        for m in step.micro
+        for i in m.intervals
+        if i.phase == COLLECTIVE_WAIT and i.end is not None
+    ]
     for m in step.micro:
         ms = dict.fromkeys(MEASURED_PHASES, 0.0)
         for i in m.intervals:
@@ -352,4 +399,5 @@ def _resolve(step: _Step) -> ResolvedStep:
         micro=micro_out,
         between_steps_ms=step.between_ms,
         outside_step_ms=step.outside_ms,
+        collective_calls_ms=calls,
     )

@@ -153,7 +153,6 @@ class Job(RecordingVLM):
         an FSDP unit over the data-parallel mesh, the rest of the model the root unit."""
         if not isinstance(self.trainer.strategy, ModelParallelStrategy):
             return
-        from torch.distributed.fsdp import fully_shard
 
         if self.float64:
             self.double()
@@ -167,11 +166,7 @@ class Job(RecordingVLM):
             plan = {"ffn.up": ColwiseParallel(), "ffn.down": RowwiseParallel()}
             for block in self.llm.blocks:
                 parallelize_module(block, self.device_mesh["tensor_parallel"], plan)
-        mesh = self.device_mesh["data_parallel"]
-        # the embeddings are called outside the language model's forward: units of their own
-        for block in [*self.vision.blocks, *self.llm.blocks, self.llm.embed, self.llm.pos]:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self, mesh=mesh)  # the root: its forward comes first
+        self.shard(self.device_mesh["data_parallel"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters on every rank (a collective under FSDP)."""

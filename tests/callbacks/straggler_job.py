@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--then-resume-from", type=int, default=0, help="a checkpoint's step")
     p.add_argument("--jsonl-dir")
     p.add_argument("--user-hook", action="store_true", help="DDPStrategy(ddp_comm_hook=...)")
+    p.add_argument("--strategy", default="ddp", choices=("ddp", "vlmbalance", "fsdp_vlmbalance"))
     args = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -99,7 +100,13 @@ def _fit(
                 filename="{step}",
             )
         )
-    strategy: Any = "ddp" if args.devices > 1 else "auto"
+    strategy: Any = args.strategy if args.devices > 1 else "auto"
+    if args.strategy != "ddp":  # the order of the packs stays (the wait is what is measured)
+        strategy = (
+            vb.VLMBalanceStrategy(mode="off")
+            if args.strategy == "vlmbalance"
+            else vb.FSDPVLMBalanceStrategy(mode="off")
+        )
     if args.user_hook:
         strategy = DDPStrategy(ddp_comm_hook=_never_called_hook)
     validate = {}

@@ -177,3 +177,26 @@ def test_the_core_imports_no_lightning() -> None:
                 path.name,
                 names,
             )
+
+
+def test_collective_waits_subtract_each_calls_shortest_time() -> None:
+    """Time in FSDP's collectives -> the wait there: call by call, the rank that arrived last
+    (the shortest time in that call) waited for nobody; its time is the call's own cost."""
+    import numpy as np
+
+    from lightning_vlmbalance.timing import MEASURED_PHASES, SERIES
+    from lightning_vlmbalance.timing.summary import collective_waits
+
+    column = 1 + MEASURED_PHASES.index("collective_wait")
+    table = np.zeros((2, 1 + len(SERIES)))
+    table[:, 0] = 1  # one step each
+    # rank 0 is last at call 0 (3 ms of cost), rank 1 is last at call 1 (2 ms of cost)
+    calls = np.array([[3.0, 12.0], [43.0, 2.0]])
+    table[:, column] = calls.sum(axis=1)
+    exact = collective_waits(table, calls)
+    assert exact[:, column].tolist() == [10.0, 40.0]
+    # without the calls: the excess over the rank with the least in all, which misses rank 0's
+    # wait at call 1 when the last rank changes from call to call
+    rough = collective_waits(table)
+    assert rough[:, column].tolist() == [0.0, 30.0]
+    assert (exact[:, column] >= rough[:, column]).all()
