@@ -19,7 +19,8 @@ Public API (everything else is private):
   ``lightning_vlmbalance.moe`` (see ``docs/moe_routing.md``).
 - Rebalancing: ``Trainer(strategy="vlmbalance")`` / :class:`VLMBalanceStrategy` and
   ``"fsdp_vlmbalance"`` / :class:`FSDPVLMBalanceStrategy` (importing the package registers the
-  names), their options :class:`RebalanceConfig`, the loader :class:`RebalancingLoader` (users
+  names), their options :class:`RebalanceConfig` (online calibration of the cost model:
+  :class:`Calibration`), the loader :class:`RebalancingLoader` (users
   may wrap their loader in it) and the error it raises, :class:`ExchangeError`; the core:
   :class:`CostModel`, :func:`plan_rebalance`, :class:`RebalancePlan` (see
   ``docs/rebalancing.md``); the encoder call of a model under encoder balancing,
@@ -33,6 +34,7 @@ synthetic dataset the examples and tests train on are in ``lightning_vlmbalance.
 
 from lightning_vlmbalance.attention import attention_backend, flash_attn_available, packed_attention
 from lightning_vlmbalance.balance import (
+    Calibration,
     CostModel,
     ExchangeError,
     RebalanceConfig,
@@ -65,6 +67,7 @@ __all__ = [
     "IGNORE_INDEX",
     "ActivationOffload",
     "ActivationOffloader",
+    "Calibration",
     "CompiledMoERouting",
     "CostModel",
     "EpochPlan",

@@ -64,6 +64,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_vlmbalance import _lightning as seam
+from lightning_vlmbalance.balance.calibration import OnlineCalibrator
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.loader import RebalancingLoader
@@ -77,6 +78,11 @@ log = logging.getLogger(__name__)
 _STRATEGY_NAMES = ("vlmbalance", "ddp_vlmbalance")
 _BALANCE_METRICS = ("moved_packs", "planned_waste_frac", "exchange_ms", "exposed_exchange_ms")
 _ENCODER_METRICS = ("encoder_moved_images", "encoder_bytes")
+
+
+# global batches the training loader may have planned beyond the last one trained: the one whose
+# packs the loop is reading, and the one the overlapped thread prepares
+_PLANNED_AHEAD = 2
 
 
 class Rebalancer:
@@ -118,6 +124,13 @@ class Rebalancer:
         self._sigterm_pending = False
         self._logged_batches = 0
         self._wrapped_for: tuple[int, int] | None = None  # (trainer, epoch) of the last wrap
+        # online calibration (driven by the StragglerMonitor, which has the timings): the
+        # calibrator on every rank (rank 0 fits), and the optimizer step the loader was made at
+        calibration = self.config.calibration
+        self.calibrator = (
+            OnlineCalibrator(self.cost_model or CostModel(), calibration) if calibration else None
+        )
+        self._wrapped_at_step = 0
 
     def setup_groups(self) -> None:
         """After the world process group (and the device mesh) exist: the exchange's own groups.
@@ -217,6 +230,7 @@ class Rebalancer:
         if self.loader is not None:  # a reload: stop the old loader's pass
             self.loader.close()
         self._logged_batches = 0
+        self._wrapped_at_step = trainer.global_step
         parallel = data_parallel_world(self.strategy)
         self.loader = RebalancingLoader(
             dataloader,  # type: ignore[arg-type]
@@ -236,6 +250,20 @@ class Rebalancer:
             encoder_group=self._encoder_group,
         )
         return self.loader
+
+    def adopt(self, model: CostModel, *, global_step: int) -> int | None:
+        """Plans with ``model`` from a global batch every rank agrees on: called on every rank
+        at the same optimizer step ``global_step`` (the StragglerMonitor's calibration point),
+        it switches the training loader three global batches after the last one trained (the
+        loader plans at most two ahead), and any loader made later from the start. Returns the
+        loader's index of the first global batch planned with it (``None``: no loader yet)."""
+        self.cost_model = model
+        if self.loader is None:
+            return None
+        trained = max(0, global_step - self._wrapped_at_step)  # global batches of this loader
+        from_batch = trained + _PLANNED_AHEAD + 1
+        self.loader.adopt_cost_model(model, from_batch)
+        return from_batch
 
     def log_stats(self) -> None:
         """Logs the ``balance/*`` metrics of the last global batch, once per global batch."""
@@ -486,6 +514,14 @@ class _RebalancingProperties:
     def rebalancing_loader(self) -> RebalancingLoader | None:
         """The training loader's RebalancingLoader (after the loader was requested)."""
         return self.rebalancer.loader
+
+    def cost_changed(self) -> None:
+        """Tells online calibration that the model's cost changed on purpose (a frozen vision
+        tower unfrozen, a new image resolution or sequence length): the timings gathered so
+        far are dropped, and the next refits see only the model as it is now. Call it on every
+        rank (e.g. from a callback at the step of the change). A no-op without calibration."""
+        if self.rebalancer.calibrator is not None:
+            self.rebalancer.calibrator.reset()
 
 
 class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):

@@ -1,5 +1,6 @@
 """Cross-rank rebalancing: cost model and planner (numpy), pack exchange and loader (torch)."""
 
+from lightning_vlmbalance.balance.calibration import Calibration, OnlineCalibrator, Refit
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import (
     FEATURES,
@@ -25,12 +26,15 @@ __all__ = [
     "MODELLED_PHASES",
     "MODES",
     "OBJECTIVES",
+    "Calibration",
     "CostModel",
     "ExchangeError",
     "FitReport",
+    "OnlineCalibrator",
     "RebalanceConfig",
     "RebalancePlan",
     "RebalancingLoader",
+    "Refit",
     "exchange_packs",
     "features_from_meta",
     "features_from_packs",

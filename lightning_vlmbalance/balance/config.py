@@ -3,9 +3,10 @@ loader and the simulator (no Lightning import)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
+from lightning_vlmbalance.balance.calibration import Calibration
 from lightning_vlmbalance.balance.planner import OBJECTIVES, Objective
 
 __all__ = ["MODES", "RebalanceConfig", "resolve_objective"]
@@ -41,6 +42,10 @@ class RebalanceConfig:
         encoder: also balance the vision encoder image by image at every micro-step (the
             packs stay where they are: see ``docs/two_level_balancing.md``); the model encodes
             through :func:`~lightning_vlmbalance.balance.encoder.encode_images`.
+        calibration: online calibration of the cost model while training (a
+            :class:`~lightning_vlmbalance.balance.calibration.Calibration`, the default one),
+            or ``None`` to plan with the given model throughout. Needs the StragglerMonitor,
+            whose timings it refits on.
 
     Raises:
         ValueError: for an unknown mode or objective, a negative tolerance or a non-positive
@@ -57,6 +62,7 @@ class RebalanceConfig:
     tolerance: float = 0.0
     exchange_timeout_s: float = 300.0
     encoder: bool = False
+    calibration: Calibration | None = field(default_factory=Calibration)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,6 +74,11 @@ class RebalanceConfig:
             )
         if not self.tolerance >= 0:
             raise ValueError(f"`RebalanceConfig(tolerance={self.tolerance!r})` must be >= 0")
+        if self.calibration is not None and not isinstance(self.calibration, Calibration):
+            raise ValueError(
+                f"`RebalanceConfig(calibration={self.calibration!r})`: expected a Calibration"
+                " or None"
+            )
         if not self.exchange_timeout_s > 0:
             raise ValueError(
                 f"`RebalanceConfig(exchange_timeout_s={self.exchange_timeout_s!r})` must be > 0"

@@ -37,6 +37,7 @@ import numpy as np
 
 __all__ = [
     "FEATURES",
+    "MEASURED_FIELDS",
     "MODELLED_PHASES",
     "CostModel",
     "FitReport",
@@ -69,6 +70,8 @@ _MEASURED = {
     "llm_fwd_ms": ("llm_fwd",),
     "backward_ms": ("vision_bwd", "llm_bwd"),
 }
+# the measured per-micro-batch times a fit uses (StragglerMonitor record keys)
+MEASURED_FIELDS: tuple[str, ...] = tuple(_MEASURED)
 _FORMAT_VERSION = 1
 
 

@@ -265,6 +265,10 @@ class RebalancingLoader:
         self.received_bytes_total = 0  # tensor bytes of the packs this rank received
         self.moved_images_total = 0  # images encoded on another rank than their pack's
         self.encoder_bytes_total = 0  # image bytes this rank received to encode
+        # online calibration: the model to plan with from an agreed global batch on
+        self._model_lock = threading.Lock()
+        self._next_model: tuple[CostModel, int] | None = None
+        self._planned = 0  # global batches planned so far, every pass
         self._encoder_group_name = f"rebalancing-loader-{id(self)}"
         if self.config.encoder:
             if self.config.mode == "overlap" and world_size > 1 and encoder_group is None:
@@ -437,8 +441,29 @@ class RebalancingLoader:
 
     # -- one global batch -------------------------------------------------------------------
 
+    def adopt_cost_model(self, model: CostModel, from_batch: int) -> None:
+        """Plans with ``model`` from the ``from_batch``-th global batch this loader plans on
+        (counted from 0, across passes). Every rank plans the same sequence of global batches,
+        so ranks given the same ``from_batch`` switch at the same one, whichever thread plans
+        it and however far ahead."""
+        with self._model_lock:
+            self._next_model = (model, int(from_batch))
+
+    def _model_for_next_batch(self) -> CostModel:
+        with self._model_lock:
+            index, self._planned = self._planned, self._planned + 1
+            if self._next_model is not None and index >= self._next_model[1]:
+                self.cost_model, self._next_model = self._next_model[0], None
+            return self.cost_model
+
+    @property
+    def planned_batches(self) -> int:
+        """Global batches planned so far (the index the next one gets)."""
+        return self._planned
+
     def _rebalance(self, batches: list[Any]) -> tuple[list[Any], dict[str, float]]:
         G, W, r = len(batches), self.world_size, self.rank
+        cost_model = self._model_for_next_batch()
         local = torch.tensor([_batch_features(b) for b in batches], dtype=torch.int64)  # (G, F)
         if W > 1:
             gathered = [torch.empty_like(local) for _ in range(W)]
@@ -455,7 +480,7 @@ class RebalancingLoader:
         global_tokens = int(features[:, -1].sum())
         stats: dict[str, float] = {"moved_packs": 0.0, "exchange_ms": 0.0}
         if self.config.encoder and W > 1:
-            order, more = self._balance_encoder(batches, features)
+            order, more = self._balance_encoder(batches, features, cost_model)
             stats.update(more)
             weigh_step(
                 order, global_loss_tokens=global_tokens, ranks=W, micro_steps=self.micro_steps
@@ -465,7 +490,7 @@ class RebalancingLoader:
             order = list(batches)
             plan = None
         else:
-            cost = self.cost_model.pack_cost_us(
+            cost = cost_model.pack_cost_us(
                 {name: features[:, i] for i, name in enumerate(FEATURES)}
             )
             origin = np.repeat(np.arange(W, dtype=np.int64), G)
@@ -499,7 +524,7 @@ class RebalancingLoader:
         return order, stats
 
     def _balance_encoder(
-        self, batches: list[Any], features: np.ndarray
+        self, batches: list[Any], features: np.ndarray, cost_model: CostModel
     ) -> tuple[list[Any], dict[str, float]]:
         """Encoder balancing of one global batch (``RebalanceConfig(encoder=True)``): every
         pack stays on its rank; in ``"overlap"`` / ``"sync"`` mode each rank's packs are
@@ -517,9 +542,9 @@ class RebalancingLoader:
         sizes = self._gather_image_sizes(batches, features)  # (W * G, K), rows per image
         counts = features[:, FEATURES.index("images")]
         present = np.arange(sizes.shape[1])[None, :] < counts[:, None]
-        image_ms, per_call = self.cost_model.image_cost_ms(sizes)
+        image_ms, per_call = cost_model.image_cost_ms(sizes)
         image_ms = np.where(present, image_ms, 0.0)
-        llm_ms = self.cost_model.llm_cost_ms({n: features[:, i] for i, n in enumerate(FEATURES)})
+        llm_ms = cost_model.llm_cost_ms({n: features[:, i] for i, n in enumerate(FEATURES)})
         placed = np.arange(W * G, dtype=np.int64).reshape(W, G)  # global pack: rank * G + m
         if self.mode != "off":
             steps = order_micro_steps(image_ms.sum(axis=1)[placed])

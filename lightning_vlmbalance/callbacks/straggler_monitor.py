@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance import encoder
 from lightning_vlmbalance.balance.cost import features_from_meta
+from lightning_vlmbalance.callbacks._calibration import CalibrationDriver
 from lightning_vlmbalance.callbacks._options import LOG_EVERY_N_STEPS, checked_log_every_n_steps
 from lightning_vlmbalance.parallel import data_parallel_world
 from lightning_vlmbalance.timing import (
@@ -127,6 +128,10 @@ class StragglerMonitor(Callback):
         self._last_step = 0
         self._failed = False
         self._fitting = False  # from on_train_start to the end of fit: checkpoints gather
+        # online calibration of the strategy's cost model (under "vlmbalance" and
+        # "fsdp_vlmbalance" with RebalanceConfig(calibration=...)): fed from these timings
+        self._calibration: CalibrationDriver | None = None
+        self._calibration_state: dict[str, Any] | None = None  # from a checkpoint
 
     @property
     def timer(self) -> StepTimer:
@@ -247,6 +252,7 @@ class StragglerMonitor(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after a checkpoint was restored (on_fit_start runs before the restore)
         self._last_step = trainer.global_step
+        self._start_calibration(trainer)
         world = data_parallel_world(trainer.strategy)  # every process: one line per rank
         self.recorder.start(
             self.jsonl_path,
@@ -297,9 +303,13 @@ class StragglerMonitor(Callback):
         if not self.enabled:
             return
         self.timer.end_step(trainer.global_step, trainer.current_epoch)
-        self.recorder.collect()
+        resolved = self.recorder.collect()
         if trainer.global_step % self.log_every_n_steps == 0:
             self._gather_and_log(trainer)
+        if self._calibration is not None:
+            self._calibration.note(resolved)
+            if self._calibration.due(trainer.global_step):
+                self._log(trainer, self._calibration.feed(trainer.global_step))
 
     @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -312,6 +322,8 @@ class StragglerMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._calibration is not None:
+            self._calibration.join()
         if self._failed or not self.enabled:
             return
         self.recorder.synchronize()  # once, at the end: resolve the last steps' events
@@ -370,11 +382,33 @@ class StragglerMonitor(Callback):
 
     def _gather_and_log(self, trainer: L.Trainer) -> None:
         self._gather(trainer)
-        metrics = self.recorder.metrics()  # means since the last log point, on every rank
+        self._log(trainer, self.recorder.metrics())  # means since the last log point
+
+    @staticmethod
+    def _log(trainer: L.Trainer, metrics: dict[str, float]) -> None:
         if not trainer.is_global_zero or not metrics:
             return
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+    # -- online calibration --------------------------------------------------------------------
+    def _start_calibration(self, trainer: L.Trainer) -> None:
+        """Under a strategy whose rebalancer calibrates: drive it from these timings (after a
+        resume, first adopt the model the checkpoint was planning with)."""
+        self._calibration = None
+        rebalancer = getattr(trainer.strategy, "rebalancer", None)
+        if rebalancer is None or getattr(rebalancer, "calibrator", None) is None:
+            return
+        if self._calibration_state is not None:
+            rebalancer.calibrator.load_state_dict(self._calibration_state)
+            rebalancer.adopt(rebalancer.calibrator.model, global_step=trainer.global_step)
+            self._calibration_state = None
+        self._calibration = CalibrationDriver(rebalancer, is_rank_zero=trainer.is_global_zero)
+
+    @property
+    def calibration(self) -> CalibrationDriver | None:
+        """The online calibration this monitor drives (``None`` without it)."""
+        return self._calibration
 
     def summary(self) -> dict[str, Any]:
         """Whole-run totals, the same on every rank (as of the last gather: a log point, a
@@ -403,11 +437,16 @@ class StragglerMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.recorder.state_dict()
+        state = self.recorder.state_dict()
+        if self._calibration is not None:  # the model the strategy plans with, and its version
+            state["calibration"] = self._calibration.calibrator.state_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.recorder.load_state_dict(state_dict)
+        state = dict(state_dict)
+        self._calibration_state = state.pop("calibration", None)
+        self.recorder.load_state_dict(state)
 
 
 def _resolve_module(

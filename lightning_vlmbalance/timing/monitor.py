@@ -129,13 +129,15 @@ class StragglerRecorder:
         self.jsonl_path = Path(jsonl_path)
         self._file = _open_jsonl(self.jsonl_path, start_step)
 
-    def collect(self) -> None:
-        """Writes the timer's resolved steps to the JSON-lines file; they wait for the next
-        gather."""
-        for step in self.timer.drain():
+    def collect(self) -> list[ResolvedStep]:
+        """Writes the timer's resolved steps to the JSON-lines file (they wait for the next
+        gather) and returns them."""
+        steps = self.timer.drain()
+        for step in steps:
             self._window.append(step)
             self._file.write(json.dumps(step.to_json(self.rank, self.world_size)))
             self._file.write("\n")
+        return steps
 
     def flush(self) -> None:
         if self._file is not None:

@@ -72,6 +72,9 @@ def main() -> None:
     p.add_argument("--jsonl-dir")
     p.add_argument("--user-hook", action="store_true", help="DDPStrategy(ddp_comm_hook=...)")
     p.add_argument("--strategy", default="ddp", choices=("ddp", "vlmbalance", "fsdp_vlmbalance"))
+    p.add_argument("--mode", default="off", help="the rebalancing mode of our strategies")
+    p.add_argument("--calibrate-every", type=int, default=0, help="online calibration period")
+    p.add_argument("--wrong-model", action="store_true", help="start: vision x0.05, LLM x20")
     args = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -82,6 +85,46 @@ def main() -> None:
         _fit(args, table, resume=ckpt, summary="summary_resumed.json", version=1)
 
 
+class RecordCalibration(Callback):
+    """At the end of training, every rank writes what online calibration adopted and the model
+    its training loader plans with (before the strategy's teardown drops the loader)."""
+
+    def __init__(self, monitor: vb.StragglerMonitor, out: str, name: str) -> None:
+        self.monitor, self.out, self.name = monitor, out, name
+        self.start_model: dict | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        rebalancer = getattr(trainer.strategy, "rebalancer", None)
+        if rebalancer is not None and rebalancer.cost_model is not None:
+            self.start_model = rebalancer.cost_model.to_dict()  # after a resume: the restored
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        driver = self.monitor.calibration
+        if driver is None:
+            return
+        rebalancer = trainer.strategy.rebalancer
+        (Path(self.out) / f"{self.name}_rank{trainer.global_rank}.json").write_text(
+            json.dumps(
+                {
+                    "shipped": driver.shipped,
+                    "loader_model": rebalancer.loader.cost_model.to_dict(),
+                    "planned_batches": rebalancer.loader.planned_batches,
+                    "version": rebalancer.calibrator.version,
+                    "global_step": trainer.global_step,
+                    "start_model": self.start_model,
+                }
+            )
+        )
+
+
+def _scaled(model: dict, vision: float, llm: float) -> dict:
+    """A cost model's coefficients with the vision phases times ``vision``, the LLM's ``llm``."""
+    for phase, terms in model["coefficients"].items():
+        for term in terms:
+            terms[term] *= vision if phase.startswith("vision") else llm
+    return model
+
+
 def _fit(
     args: argparse.Namespace,
     table: LengthTable,
@@ -90,7 +133,8 @@ def _fit(
     version: int = 0,
 ) -> None:
     monitor = vb.StragglerMonitor(log_every_n_steps=args.log_every, jsonl_dir=args.jsonl_dir)
-    callbacks: list[Callback] = [monitor]
+    name = "calibration" if version == 0 else "calibration_resumed"
+    callbacks: list[Callback] = [monitor, RecordCalibration(monitor, args.out, name)]
     if args.checkpoint_every:
         callbacks.append(
             ModelCheckpoint(
@@ -101,12 +145,17 @@ def _fit(
             )
         )
     strategy: Any = args.strategy if args.devices > 1 else "auto"
-    if args.strategy != "ddp":  # the order of the packs stays (the wait is what is measured)
-        strategy = (
-            vb.VLMBalanceStrategy(mode="off")
-            if args.strategy == "vlmbalance"
-            else vb.FSDPVLMBalanceStrategy(mode="off")
+    if args.strategy != "ddp":  # by default the order of the packs stays (the wait is measured)
+        calibration = (
+            vb.Calibration(every_n_steps=args.calibrate_every, window_steps=40, min_records=8)
+            if args.calibrate_every
+            else None
         )
+        config = vb.RebalanceConfig(mode=args.mode, calibration=calibration)
+        wrong = vb.CostModel.from_dict(_scaled(vb.CostModel().to_dict(), 0.05, 20.0))
+        strategy = (
+            vb.VLMBalanceStrategy if args.strategy == "vlmbalance" else vb.FSDPVLMBalanceStrategy
+        )(config=config, cost_model=wrong if args.wrong_model else None)
     if args.user_hook:
         strategy = DDPStrategy(ddp_comm_hook=_never_called_hook)
     validate = {}

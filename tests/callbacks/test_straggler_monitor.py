@@ -8,11 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
+import lightning_vlmbalance as vb
 from harness.jobs import check, result, run_jobs, selected
 from lightning_vlmbalance.timing import MEASURED_PHASES
+from tests.callbacks.straggler_job import _scaled
 from tests.launch import run_module
 
 DELAY_MS = 40.0
@@ -216,3 +219,37 @@ def test_user_comm_hook_stays_off_on_cpu(quick_runs) -> None:
     """Lightning registers a strategy's comm hook only on CUDA; the monitor must not switch the
     user's hook on (it would change the gradients): here the hook raises if it is ever called."""
     _quick(quick_runs, "user_hook")  # --user-hook --max-steps 3 --delay-ms 0: exit 0
+
+
+def test_online_calibration_adopts_the_same_model_on_every_rank_and_survives_a_resume(
+    tmp_path: Path,
+) -> None:
+    """``"vlmbalance"`` started from a cost model that is wrong by orders of magnitude (vision
+    x0.05, LLM x20), refitting every 5 steps from the monitor's timings: rank 0's refits are
+    adopted by both ranks at the same optimizer steps, identically, and both training loaders
+    plan with the same model in the end. A checkpoint holds the model in use; a resume starts
+    planning with it on every rank."""
+    _run(
+        tmp_path,
+        *("--strategy", "vlmbalance", "--mode", "overlap", "--wrong-model"),
+        *("--calibrate-every", "5", "--accumulate", "2", "--max-steps", "20", "--delay-ms", "0"),
+        *("--checkpoint-every", "10", "--then-resume-from", "10"),
+    )
+    first = [json.loads((tmp_path / f"calibration_rank{r}.json").read_text()) for r in (0, 1)]
+    assert first[0]["shipped"] == first[1]["shipped"] and first[0]["shipped"]
+    adopted = first[0]["shipped"][0]
+    assert adopted["accepted"] and adopted["error_candidate"] < adopted["error_current"]
+    assert adopted["error_current"] > 10  # the wrong model was off by more than 1,000%
+    assert first[0]["loader_model"] == first[1]["loader_model"]
+    assert first[0]["version"] == first[1]["version"] == len(first[0]["shipped"])
+    wrong = _scaled(vb.CostModel().to_dict(), 0.05, 20.0)
+    assert first[0]["loader_model"]["coefficients"] != wrong["coefficients"]
+    # the checkpoint at step 10 holds the model in use; the resumed fit plans with it
+    state = torch.load(tmp_path / "ckpt" / "step=10.ckpt", weights_only=False)
+    saved = state["callbacks"]["StragglerMonitor"]["calibration"]
+    assert saved["version"] >= 1
+    for r in (0, 1):
+        resumed = json.loads((tmp_path / f"calibration_resumed_rank{r}.json").read_text())
+        assert resumed["start_model"] == saved["model"]
+    tags = set(_events(tmp_path).Tags()["scalars"])
+    assert {"calibration/version", "calibration/mape_total_ms", "calibration/accepted"} <= tags

@@ -1,0 +1,136 @@
+"""The StragglerMonitor's side of online calibration (see
+:mod:`lightning_vlmbalance.balance.calibration`).
+
+Every ``every_n_steps`` optimizer steps, on every rank at the same step:
+
+1. each rank's micro-batch records since the last point (pack features and measured phase
+   times) are gathered to every rank, with rank 0's latest refit result, in one
+   ``all_gather_object`` (the only collective calibration adds);
+2. an accepted result is adopted by every rank's rebalancer from the same global batch on
+   (:meth:`Rebalancer.adopt <lightning_vlmbalance.strategy.Rebalancer.adopt>`);
+3. rank 0 adds the records to its calibrator's window and starts the next refit in a
+   background thread, whose result travels with the next point's gather: the fit costs rank 0
+   a thread's time, and no rank waits for it.
+
+Rank 0 logs ``calibration/*``: the model version in use, whether a refit was accepted, the
+held-out errors of the current and the candidate model, and the in-use model's error per phase
+on the newest records (its prediction error over time).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_vlmbalance.balance.calibration import Refit
+from lightning_vlmbalance.balance.cost import FEATURES, CostModel
+
+log = logging.getLogger(__name__)
+
+
+class CalibrationDriver:
+    """Feeds a rebalancer's :class:`~lightning_vlmbalance.balance.calibration.OnlineCalibrator`
+    from the monitor's resolved steps.
+
+    Args:
+        rebalancer: the strategy's ``Rebalancer`` (with a ``calibrator``).
+        is_rank_zero: whether this rank fits.
+    """
+
+    def __init__(self, rebalancer: Any, *, is_rank_zero: bool) -> None:
+        self.rebalancer = rebalancer
+        self.calibrator = rebalancer.calibrator
+        self.every = self.calibrator.config.every_n_steps
+        self.is_rank_zero = is_rank_zero
+        self._records: list[tuple[int, list[dict[str, Any]]]] = []  # local, since the last point
+        self._thread: threading.Thread | None = None
+        self._result: Refit | None = None  # rank 0: finished, not shipped yet
+        self._lock = threading.Lock()
+        self.shipped: list[dict[str, Any]] = []  # every result adopted, as shipped (rank 0's)
+
+    def note(self, steps: list[Any]) -> None:
+        """Keeps the micro-batch records of newly resolved steps (``ResolvedStep``)."""
+        for step in steps:
+            self._records.append((int(step.global_step), [dict(m) for m in step.micro]))
+
+    def due(self, global_step: int) -> bool:
+        return global_step > 0 and global_step % self.every == 0
+
+    def feed(self, global_step: int) -> dict[str, float]:
+        """The calibration point (a collective: every rank calls it at the same step). Returns
+        rank 0's ``calibration/*`` metrics (empty on the others)."""
+        records, self._records = self._records, []
+        payload = {"records": records, "result": self._take_result() if self.is_rank_zero else None}
+        everyone: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if dist.is_initialized():
+            dist.all_gather_object(everyone, payload)
+        else:
+            everyone = [payload]
+        result = everyone[0]["result"]
+        metrics: dict[str, float] = {}
+        if result is not None and result["accepted"]:
+            model = CostModel.from_dict(result["model"])
+            self.calibrator.adopt(model)
+            self.rebalancer.adopt(model, global_step=global_step)
+            self.shipped.append({**result, "adopted_at_step": global_step})
+        if not self.is_rank_zero:
+            return metrics
+        newest: list[dict[str, Any]] = []
+        for gathered in everyone:
+            for step, recs in gathered["records"]:
+                self.calibrator.add(step, recs)
+                newest.extend(recs)
+        metrics["calibration/version"] = float(len(self.shipped))
+        metrics["calibration/skipped_records"] = float(self.calibrator.skipped)
+        metrics["calibration/window_records"] = float(self.calibrator.records)
+        if result is not None:
+            metrics["calibration/accepted"] = float(result["accepted"])
+            for key in ("error_current", "error_candidate"):
+                if result.get(key) is not None:
+                    metrics[f"calibration/{key}"] = float(result[key])
+        usable = [r for r in newest if all(isinstance(r.get(f), int | float) for f in FEATURES)]
+        if usable:  # the model in use, on the newest records: its prediction error over time
+            report = (self.rebalancer.cost_model or CostModel()).evaluate(usable)
+            for key, value in report.mape.items():
+                metrics[f"calibration/mape_{key}"] = float(value)
+        self._start_refit()
+        return metrics
+
+    def _start_refit(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return  # the last refit still runs: its result ships at a later point
+
+        def run() -> None:
+            try:
+                result = self.calibrator.refit(adopt=False)  # adopted when shipped
+            except Exception as err:  # never a crash: the model in use stays
+                log.warning("lightning_vlmbalance: a cost-model refit failed (%s)", err)
+                return
+            with self._lock:
+                self._result = result
+
+        self._thread = threading.Thread(target=run, name="vlmbalance-calibration", daemon=True)
+        self._thread.start()
+
+    def _take_result(self) -> dict[str, Any] | None:
+        with self._lock:
+            result, self._result = self._result, None
+        if result is None:
+            return None
+        return {
+            "accepted": result.accepted,
+            "model": result.model.to_dict(),
+            "error_current": result.error_current,
+            "error_candidate": result.error_candidate,
+            "records": result.records,
+            "held_out": result.held_out,
+            "stage_change": result.stage_change,
+            "reason": result.reason,
+        }
+
+    def join(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,155 @@
+"""Online calibration's core (``balance/calibration.py``): refits on a rolling window, judged on
+held-out records, never a worse model, bad records skipped and counted, stage changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lightning_vlmbalance.balance.calibration import Calibration, OnlineCalibrator
+from lightning_vlmbalance.balance.cost import FEATURES, CostModel
+
+
+def _records(truth: CostModel, n: int, seed: int, noise: float = 0.02) -> list[dict]:
+    """``n`` micro-batch records with varied packs, timed by ``truth`` (+ noise)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        images = int(rng.integers(0, 4))
+        sizes = rng.integers(64, 1280, size=images)
+        total = int(rng.integers(2048, 8192))
+        docs = rng.integers(64, 2048, size=int(rng.integers(1, 6)))
+        feats = {
+            "total_tokens": total,
+            "image_tokens": int(sizes.sum()),
+            "images": images,
+            "doc_sq_tokens": int((docs.astype(np.int64) ** 2).sum()),
+            "image_sq_tokens": int((sizes.astype(np.int64) ** 2).sum()),
+        }
+        assert set(feats) == set(FEATURES)
+        pred = truth.predict({k: [v] for k, v in feats.items()})
+        jitter = rng.normal(1.0, noise, size=3)
+        out.append(
+            {
+                **feats,
+                "vision_fwd_ms": float(pred["vision_fwd"][0] * jitter[0]),
+                "llm_fwd_ms": float(pred["llm_fwd"][0] * jitter[1]),
+                "backward_ms": float((pred["vision_bwd"][0] + pred["llm_bwd"][0]) * jitter[2]),
+            }
+        )
+    return out
+
+
+def _scaled(model: CostModel, vision: float, llm: float) -> CostModel:
+    data = model.to_dict()
+    for phase, terms in data["coefficients"].items():
+        for term in terms:
+            terms[term] *= vision if phase.startswith("vision") else llm
+    return CostModel.from_dict(data)
+
+
+def _feed(cal: OnlineCalibrator, truth: CostModel, steps: range, seed: int = 0) -> None:
+    for s in steps:
+        cal.add(s, _records(truth, 8, seed=seed * 100_000 + s))
+
+
+def test_a_wrong_model_is_replaced_by_a_better_one_and_never_by_a_worse() -> None:
+    truth = _scaled(CostModel(), vision=4.0, llm=0.5)  # far from the defaults
+    cal = OnlineCalibrator(CostModel(), Calibration(every_n_steps=10, window_steps=40))
+    _feed(cal, truth, range(20))
+    first = cal.refit()
+    assert first.accepted and cal.version == 1, first
+    assert first.error_candidate < 0.1 < first.error_current
+    # the accepted model predicts the truth; a refit on more of the same keeps or improves it
+    held = _records(truth, 64, seed=999)
+    error = cal.model.evaluate(held).mape["total_ms"]
+    assert error < 0.05, error
+    _feed(cal, truth, range(20, 40))
+    again = cal.refit()
+    assert again.model is cal.model
+    if not again.accepted:
+        assert again.reason == "the current model predicts better"
+    assert cal.model.evaluate(held).mape["total_ms"] <= error + 0.01
+
+
+def test_bad_records_are_skipped_and_counted() -> None:
+    truth = CostModel()
+    good = _records(truth, 4, seed=1)
+    bad = [
+        {**good[0], "vision_fwd_ms": float("nan")},
+        {**good[0], "llm_fwd_ms": -1.0},
+        {**good[0], "backward_ms": float("inf")},
+        {k: v for k, v in good[0].items() if k != "images"},  # a feature missing
+        {k: v for k, v in good[0].items() if not k.endswith("_ms")},  # no time at all
+        "not a record",
+    ]
+    cal = OnlineCalibrator(CostModel())
+    assert cal.add(0, [*good, *bad]) == 4
+    assert cal.skipped == 6 and cal.records == 4
+
+
+def test_too_few_records_or_a_failing_fit_keep_the_model() -> None:
+    model = CostModel()
+    cal = OnlineCalibrator(model, Calibration(min_records=32))
+    cal.add(0, _records(model, 8, seed=2))
+    out = cal.refit()
+    assert not out.accepted and out.model is model and "too few" in out.reason
+    # records that time only the vision forward, all of one pack: the fit cannot determine
+    # enough, and the model in use stays
+    one = {**_records(model, 1, seed=3)[0]}
+    for k in ("llm_fwd_ms", "backward_ms"):
+        one.pop(k)
+    cal = OnlineCalibrator(model, Calibration(min_records=2))
+    cal.add(0, [one])
+    cal.add(1, [one])
+    out = cal.refit()
+    assert out.model is model and cal.version == 0
+
+
+def test_a_stage_change_drops_the_old_window() -> None:
+    """Unfreezing the vision tower: its cost jumps. The jump is detected (the current model's
+    error on the newest step is far above its error when accepted) and the refit sees only the
+    new timings; ``reset`` does it on purpose."""
+    frozen = _scaled(CostModel(), vision=0.5, llm=1.0)
+    unfrozen = _scaled(CostModel(), vision=3.0, llm=1.0)
+    config = Calibration(every_n_steps=10, window_steps=200, min_records=16)
+    cal = OnlineCalibrator(CostModel(), config)
+    _feed(cal, frozen, range(30))
+    assert cal.refit().accepted
+    _feed(cal, unfrozen, range(30, 40), seed=1)
+    out = cal.refit()
+    assert out.stage_change and out.accepted, out
+    held = _records(unfrozen, 64, seed=7)
+    assert cal.model.evaluate(held).mape["total_ms"] < 0.05
+    cal.reset()
+    assert cal.records == 0
+    assert not cal.refit().accepted  # nothing left to fit
+
+
+def test_the_state_round_trips_without_the_window() -> None:
+    truth = _scaled(CostModel(), vision=2.0, llm=2.0)
+    cal = OnlineCalibrator(CostModel(), Calibration(min_records=8))
+    _feed(cal, truth, range(10))
+    assert cal.refit().accepted
+    state = cal.state_dict()
+    again = OnlineCalibrator(CostModel())
+    again.load_state_dict(state)
+    assert again.version == 1 and again.records == 0
+    assert again.model.to_dict() == cal.model.to_dict()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"every_n_steps": 0},
+        {"window_steps": -1},
+        {"holdout": 1.0},
+        {"holdout": 0.0},
+        {"jump": 1.0},
+        {"min_records": 2.5},
+    ],
+)
+def test_bad_options_are_named(bad) -> None:
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=rf"Calibration\({name}="):
+        Calibration(**bad)
