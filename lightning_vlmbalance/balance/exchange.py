@@ -201,10 +201,14 @@ def exchange_packs(
         if isinstance(err, ExchangeError):
             raise
         # posting a send or receive to a peer that is already gone fails at once (gloo:
-        # "Connection closed by peer"), before any wait
+        # "Connection closed by peer"), before any wait: name what this rank was exchanging
+        moving = [f"pack {p} from {src}" for p, src in incoming]
+        moving += [f"pack {p} to {dst}" for p, dst in outgoing]
+        more = f" and {len(moving) - 4} more" if len(moving) > 4 else ""
         raise ExchangeError(
             f"pack exchange failed within exchange_timeout_s={timeout_s:g}: a peer is gone"
-            f" (rank {rank}; {type(err).__name__}: {err})"
+            f" while exchanging {', '.join(moving[:4])}{more} (rank {rank};"
+            f" {type(err).__name__}: {err})"
         ) from err
     del encoded  # the payloads being sent stay alive until every transfer is done
     return received
