@@ -24,7 +24,6 @@ FIVE_EPOCHS = {"one_plain", "ddp_reload", "vlm_balance_reload"}  # 1 rank; 2 ran
 # (strategy, devices, sampler settings): each plan's pack counts differ by epoch, and some
 # later epoch has more packs than the first (the packs Lightning used to cut)
 ONE_PLAIN = ("--strategy", "auto", "--devices", "1", "--window", "8", "--seed", "7")
-ONE_BALANCE = ("--strategy", "vlmbalance", "--devices", "1", "--balance", "--seed", "6")
 DDP = ("--strategy", "ddp", "--devices", "2", "--window", "16", "--seed", "1")
 VLM_BALANCE = ("--strategy", "vlmbalance", "--devices", "2", "--balance", "--seed", "6")
 FSDP_BALANCE = ("--strategy", "fsdp_vlmbalance", "--devices", "2", "--balance", "--seed", "6")
@@ -61,7 +60,6 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     overfit = (*ONE_PLAIN, "--overfit-batches", "0.2", "--epochs", "3")
     args = {
         "one_plain": (*ONE_PLAIN, *LONG),
-        "one_balance_reload": (*ONE_BALANCE, "--reload"),
         "ddp": (*DDP, *CHECKPOINT),
         "ddp_reload": (*DDP, "--reload", *LONG),
         "vlm_balance": (*VLM_BALANCE, *CHECKPOINT),
@@ -134,7 +132,6 @@ def test_the_tables_pack_differently_by_epoch(plan: str) -> None:
         pytest.param(n, marks=pytest.mark.jobs(n))
         for n in (
             "one_plain",
-            "one_balance_reload",
             "ddp",
             "ddp_reload",
             "vlm_balance",

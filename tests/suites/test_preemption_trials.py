@@ -38,6 +38,9 @@ def _report(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+# the SIGTERM stop itself is tested by tests/balance/test_preemption.py; this trial of the suite
+# script runs with the suite (pytest -m suite)
+@pytest.mark.suite
 @pytest.mark.smoke_run("preemption", argv=_argv, timeout=300, seconds=17)
 def test_preemption_one_trial(smoke_runs) -> None:
     run = result_of(smoke_runs, "preemption")  # a smoke run (tests/smoke_runs.py)
