@@ -38,6 +38,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from lightning_vlmbalance.balance.cost import FEATURES, MEASURED_FIELDS, CostModel, FitReport
 
 __all__ = ["Calibration", "OnlineCalibrator", "Refit"]
@@ -52,6 +54,9 @@ class Calibration:
         window_steps: optimizer steps of records kept (all ranks' micro-batches of each).
         holdout: the newest share of the window's steps the candidate is judged on.
         min_records: micro-batch records needed before a refit is tried.
+        max_records: the most records a refit fits or judges on; beyond it an evenly spaced
+            subset is used (the fit's time grows with the records: about 5 us each on one CPU
+            core, ``benchmarks/calibration_cost.py``).
         jump: the current model's error on the newest records, over its error when accepted,
             beyond which the window before them is dropped (a stage change).
     """
@@ -60,10 +65,11 @@ class Calibration:
     window_steps: int = 400
     holdout: float = 0.25
     min_records: int = 32
+    max_records: int = 8192
     jump: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("every_n_steps", "window_steps", "min_records"):
+        for name in ("every_n_steps", "window_steps", "min_records", "max_records"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Calibration({name}={value!r}): must be an integer >= 1")
@@ -173,8 +179,8 @@ class OnlineCalibrator:
             )
         # the newest ``holdout`` share of the steps (at least one) is held out
         cut = steps[min(len(steps) - 1, max(1, math.floor(len(steps) * (1 - self.config.holdout))))]
-        train = [r for s, recs in window if s < cut for r in recs]
-        held = [r for s, recs in window if s >= cut for r in recs]
+        train = _spaced([r for s, recs in window if s < cut for r in recs], self.config.max_records)
+        held = _spaced([r for s, recs in window if s >= cut for r in recs], self.config.max_records)
         candidate = copy.deepcopy(current)
         try:
             report = candidate.fit(train)
@@ -238,6 +244,13 @@ class OnlineCalibrator:
         self.skipped = int(state.get("skipped", 0))
         self._accepted_error = state.get("accepted_error")
         self._window.clear()
+
+
+def _spaced(records: list[dict[str, Any]], most: int) -> list[dict[str, Any]]:
+    """At most ``most`` of ``records``, evenly spaced (all of them when they are fewer)."""
+    if len(records) <= most:
+        return records
+    return [records[i] for i in np.linspace(0, len(records) - 1, most).round().astype(int)]
 
 
 def _usable(rec: Mapping[str, Any]) -> bool:

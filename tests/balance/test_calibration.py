@@ -153,3 +153,13 @@ def test_bad_options_are_named(bad) -> None:
     name = next(iter(bad))
     with pytest.raises(ValueError, match=rf"Calibration\({name}="):
         Calibration(**bad)
+
+
+def test_a_large_window_is_fitted_on_an_evenly_spaced_subset() -> None:
+    """``max_records`` bounds a refit's time: beyond it, evenly spaced records are used."""
+    truth = _scaled(CostModel(), vision=3.0, llm=0.5)
+    cal = OnlineCalibrator(CostModel(), Calibration(min_records=8, max_records=40))
+    _feed(cal, truth, range(20))  # 160 records
+    out = cal.refit()
+    assert out.accepted and out.records + out.held_out <= 80, out
+    assert cal.model.evaluate(_records(truth, 64, seed=5)).mape["total_ms"] < 0.05
