@@ -42,7 +42,7 @@ import numpy as np
 
 from lightning_vlmbalance.balance.cost import FEATURES, MEASURED_FIELDS, CostModel, FitReport
 
-__all__ = ["Calibration", "OnlineCalibrator", "Refit"]
+__all__ = ["Calibration", "OnlineCalibrator", "Refit", "usable_records"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,12 +128,9 @@ class OnlineCalibrator:
     def add(self, step: int, records: Iterable[Mapping[str, Any]]) -> int:
         """Adds optimizer step ``step``'s micro-batch records (every rank's); returns how many
         were kept. Steps older than ``window_steps`` before the newest leave the window."""
-        kept = []
-        for rec in records:
-            if _usable(rec):
-                kept.append(dict(rec))
-            else:
-                self.skipped += 1
+        records = list(records)
+        kept = usable_records(records)
+        self.skipped += len(records) - len(kept)
         with self._lock:
             if kept:
                 self._window.append((int(step), kept))
@@ -251,6 +248,12 @@ def _spaced(records: list[dict[str, Any]], most: int) -> list[dict[str, Any]]:
     if len(records) <= most:
         return records
     return [records[i] for i in np.linspace(0, len(records) - 1, most).round().astype(int)]
+
+
+def usable_records(records: Iterable[Any]) -> list[dict[str, Any]]:
+    """Copies of the records a fit or an error can use: every pack feature and at least one
+    measured time, each a finite number >= 0 (the others are skipped)."""
+    return [dict(rec) for rec in records if _usable(rec)]
 
 
 def _usable(rec: Mapping[str, Any]) -> bool:

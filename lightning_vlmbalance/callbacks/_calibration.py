@@ -25,8 +25,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_vlmbalance.balance.calibration import Refit
-from lightning_vlmbalance.balance.cost import FEATURES, CostModel
+from lightning_vlmbalance.balance.calibration import Refit, usable_records
+from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.parallel import DataParallelWorld
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,16 @@ class CalibrationDriver:
 
     Args:
         rebalancer: the strategy's ``Rebalancer`` (with a ``calibrator``).
-        is_rank_zero: whether this rank fits.
+        world: the job's world (``parallel.data_parallel_world``): the gather spans every
+            process, and global rank 0 fits.
     """
 
-    def __init__(self, rebalancer: Any, *, is_rank_zero: bool) -> None:
+    def __init__(self, rebalancer: Any, world: DataParallelWorld) -> None:
         self.rebalancer = rebalancer
         self.calibrator = rebalancer.calibrator
         self.every = self.calibrator.config.every_n_steps
-        self.is_rank_zero = is_rank_zero
+        self.world = world
+        self.is_rank_zero = world.global_rank == 0
         self._records: list[tuple[int, list[dict[str, Any]]]] = []  # local, since the last point
         self._thread: threading.Thread | None = None
         self._result: Refit | None = None  # rank 0: finished, not shipped yet
@@ -64,11 +67,10 @@ class CalibrationDriver:
         rank 0's ``calibration/*`` metrics (empty on the others)."""
         records, self._records = self._records, []
         payload = {"records": records, "result": self._take_result() if self.is_rank_zero else None}
-        everyone: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-        if dist.is_initialized():
+        everyone: list[Any] = [payload]
+        if self.world.world_size > 1:
+            everyone = [None] * self.world.world_size
             dist.all_gather_object(everyone, payload)
-        else:
-            everyone = [payload]
         result = everyone[0]["result"]
         metrics: dict[str, float] = {}
         if result is not None and result["accepted"]:
@@ -83,7 +85,7 @@ class CalibrationDriver:
             for step, recs in gathered["records"]:
                 self.calibrator.add(step, recs)
                 newest.extend(recs)
-        metrics["calibration/version"] = float(len(self.shipped))
+        metrics["calibration/version"] = float(self.calibrator.version)
         metrics["calibration/skipped_records"] = float(self.calibrator.skipped)
         metrics["calibration/window_records"] = float(self.calibrator.records)
         if result is not None:
@@ -91,7 +93,7 @@ class CalibrationDriver:
             for key in ("error_current", "error_candidate"):
                 if result.get(key) is not None:
                     metrics[f"calibration/{key}"] = float(result[key])
-        usable = [r for r in newest if all(isinstance(r.get(f), int | float) for f in FEATURES)]
+        usable = usable_records(newest)
         if usable:  # the model in use, on the newest records: its prediction error over time
             report = (self.rebalancer.cost_model or CostModel()).evaluate(usable)
             for key, value in report.mape.items():

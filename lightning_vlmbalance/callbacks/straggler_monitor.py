@@ -403,7 +403,7 @@ class StragglerMonitor(Callback):
             rebalancer.calibrator.load_state_dict(self._calibration_state)
             rebalancer.adopt(rebalancer.calibrator.model, global_step=trainer.global_step)
             self._calibration_state = None
-        self._calibration = CalibrationDriver(rebalancer, is_rank_zero=trainer.is_global_zero)
+        self._calibration = CalibrationDriver(rebalancer, data_parallel_world(trainer.strategy))
 
     @property
     def calibration(self) -> CalibrationDriver | None:
