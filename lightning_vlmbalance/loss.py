@@ -83,19 +83,24 @@ def optimizer_steps(
     micro_steps == 0`` or ``i + 1`` is the epoch's last batch (``stop``: its number of training
     batches, ``len`` cut by ``limit_train_batches`` / ``fast_dev_run`` / ``overfit_batches``).
     ``start`` is the position of the first batch (``> 0`` after a mid-epoch resume); both are read
-    once the first batch has been fetched (loaders resolve their start position lazily). No batch
-    at or past ``stop`` is fetched: the training loop would never take it.
+    once the first batch has been fetched (loaders resolve their start position lazily), and
+    ``stop`` again at every batch (an epoch re-planned mid-way by online calibration changes
+    length). No batch at or past ``stop`` is fetched: the training loop would never take it.
     """
     iterator = iter(batches)
     batch = next(iterator, _NOTHING)
     if batch is _NOTHING:
         return
     position = int(start())
-    end = stop() if stop is not None else float("inf")
+
+    def end_now() -> float:
+        return stop() if stop is not None else float("inf")
+
     group: list[Any] = []
-    while position < end:
+    while position < end_now():
         group.append(batch)
         position += 1
+        end = end_now()
         if position % micro_steps == 0 or position == end:
             yield group
             group = []

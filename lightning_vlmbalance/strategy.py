@@ -251,19 +251,40 @@ class Rebalancer:
         )
         return self.loader
 
-    def adopt(self, model: CostModel, *, global_step: int) -> int | None:
+    def adopt(
+        self, model: CostModel, *, global_step: int, sampler_after: int | None = None
+    ) -> int | None:
         """Plans with ``model`` from a global batch every rank agrees on: called on every rank
         at the same optimizer step ``global_step`` (the StragglerMonitor's calibration point),
         it switches the training loader three global batches after the last one trained (the
-        loader plans at most two ahead), and any loader made later from the start. Returns the
-        loader's index of the first global batch planned with it (``None``: no loader yet)."""
+        loader plans at most two ahead), and any loader made later from the start. A sampler
+        that balances at the source re-plans the rest of its epoch from the first global batch
+        past ``sampler_after`` (the furthest :meth:`sampler_position` of every rank; ``None``,
+        as on a resume, whose loader state restored the epoch's plan: from the next epoch).
+        Returns the loader's index of the first global batch planned with it (``None``: no
+        loader yet)."""
         self.cost_model = model
         if self.loader is None:
             return None
+        packed = self._packed_loader()
+        if packed is not None and packed.sampler.balanced:
+            packed.adopt_cost_model(model, after=sampler_after)
         trained = max(0, global_step - self._wrapped_at_step)  # global batches of this loader
         from_batch = trained + _PLANNED_AHEAD + 1
         self.loader.adopt_cost_model(model, from_batch)
         return from_batch
+
+    def _packed_loader(self) -> PackedDataLoader | None:
+        inner = None if self.loader is None else self.loader.loader
+        return inner if isinstance(inner, PackedDataLoader) else None
+
+    def sampler_position(self) -> int | None:
+        """How far a source-balanced sampler's packs of this epoch have been read on this rank
+        (:meth:`PackedDataLoader.read_position`); ``None`` without one."""
+        packed = self._packed_loader()
+        if packed is None or not packed.sampler.balanced:
+            return None
+        return packed.read_position()
 
     def log_stats(self) -> None:
         """Logs the ``balance/*`` metrics of the last global batch, once per global batch."""

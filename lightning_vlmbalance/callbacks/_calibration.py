@@ -7,7 +7,9 @@ Every ``every_n_steps`` optimizer steps, on every rank at the same step:
    times) are gathered to every rank, with rank 0's latest refit result, in one
    ``all_gather_object`` (the only collective calibration adds);
 2. an accepted result is adopted by every rank's rebalancer from the same global batch on
-   (:meth:`Rebalancer.adopt <lightning_vlmbalance.strategy.Rebalancer.adopt>`);
+   (:meth:`Rebalancer.adopt <lightning_vlmbalance.strategy.Rebalancer.adopt>`); a sampler that
+   balances at the source re-plans the rest of its epoch from the first global batch no rank
+   has read yet (each rank's read position travels in the same gather);
 3. rank 0 adds the records to its calibrator's window and starts the next refit in a
    background thread, whose result travels with the next point's gather: the fit costs rank 0
    a thread's time, and no rank waits for it.
@@ -66,7 +68,12 @@ class CalibrationDriver:
         """The calibration point (a collective: every rank calls it at the same step). Returns
         rank 0's ``calibration/*`` metrics (empty on the others)."""
         records, self._records = self._records, []
-        payload = {"records": records, "result": self._take_result() if self.is_rank_zero else None}
+        payload = {
+            "records": records,
+            "result": self._take_result() if self.is_rank_zero else None,
+            # how far a source-balanced sampler has read: it re-plans past every rank's
+            "position": self.rebalancer.sampler_position(),
+        }
         everyone: list[Any] = [payload]
         if self.world.world_size > 1:
             everyone = [None] * self.world.world_size
@@ -76,7 +83,10 @@ class CalibrationDriver:
         if result is not None and result["accepted"]:
             model = CostModel.from_dict(result["model"])
             self.calibrator.adopt(model)
-            self.rebalancer.adopt(model, global_step=global_step)
+            positions = [p["position"] for p in everyone if p["position"] is not None]
+            self.rebalancer.adopt(
+                model, global_step=global_step, sampler_after=max(positions, default=None)
+            )
             self.shipped.append({**result, "adopted_at_step": global_step})
         if not self.is_rank_zero:
             return metrics

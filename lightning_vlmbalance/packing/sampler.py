@@ -139,6 +139,10 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         self._check_rank()
         self.epoch = 0
         self._plans: dict[int, EpochPlan] = {}  # the last two epochs' plans
+        # online calibration of a balanced sampler: the cost model of later epochs, and the
+        # models of one epoch by first global batch (adopt_cost_model)
+        self._latest_model = None if self.source_balance is None else self.source_balance.model
+        self._schedule: tuple[int, list[tuple[int, CostModel]]] | None = None
         self._ahead: dict[str, Any] | None = None
         self.planned_ahead = 0  # plans taken from the background
         digest = hashlib.sha1(self.total_tokens.tobytes())
@@ -215,8 +219,64 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
 
     @property
     def cost_model(self) -> CostModel | None:
-        """The cost model of the source balance (``None`` unbalanced)."""
-        return None if self.source_balance is None else self.source_balance.model
+        """The cost model the source balance plans with now (``None`` unbalanced): the given
+        one, or the last adopted (:meth:`adopt_cost_model`)."""
+        return self._latest_model
+
+    def cost_schedule(self, epoch: int | None = None) -> list[tuple[int, CostModel]]:
+        """The cost models ``epoch`` (default: the current one) is planned with: ``[(first
+        global batch, model), ...]``."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self._schedule is not None and self._schedule[0] == epoch:
+            return list(self._schedule[1])
+        assert self._latest_model is not None
+        return [(0, self._latest_model)]
+
+    def adopt_cost_model(
+        self, model: CostModel, *, epoch: int | None = None, from_batch: int | None = None
+    ) -> bool:
+        """Plans with ``model`` from global batch ``from_batch`` of ``epoch`` on (online
+        calibration): the rest of that epoch is formed again from the samples the batches
+        before it left, in stream order, and later epochs are planned with ``model``.
+        ``from_batch=None``: from the next epoch on. Every rank must adopt the same model at the
+        same batch (the plan is every rank's). Returns whether the plan of ``epoch`` changed
+        (``False`` as well for the model already in use there, say the one a resumed loader's
+        state restored).
+
+        Raises:
+            ValueError: for an unbalanced sampler.
+        """
+        if self.source_balance is None:
+            raise ValueError("`PackingSampler.adopt_cost_model`: the sampler is not balanced")
+        epoch = self.epoch if epoch is None else int(epoch)
+        schedule = self.cost_schedule(epoch)
+        self._latest_model = model
+        self._plans.pop(epoch + 1, None)
+        if from_batch is None:
+            if self._schedule is None or self._schedule[0] != epoch:
+                self._schedule = (epoch, schedule)  # this epoch keeps its models
+            return False
+        from_batch = max(0, int(from_batch))
+        kept = [(b, m) for b, m in schedule if b < from_batch]
+        changed = [*kept, (from_batch, model)]
+        if kept and kept[-1][1].to_dict() == model.to_dict():
+            changed = kept
+        if [(b, m.to_dict()) for b, m in changed] == [(b, m.to_dict()) for b, m in schedule]:
+            return False
+        self._schedule = (epoch, changed)
+        self._plans.pop(epoch, None)
+        return True
+
+    def schedule_state(self) -> list[list[Any]]:
+        """The current epoch's cost models, JSON-ready (a loader's checkpoint state)."""
+        return [[b, m.to_dict()] for b, m in self.cost_schedule()]
+
+    def load_schedule_state(self, epoch: int, state: list[list[Any]]) -> None:
+        """Restores :meth:`schedule_state` for ``epoch`` (later epochs: its last model)."""
+        schedule = [(int(b), CostModel.from_dict(m)) for b, m in state]
+        self._schedule = (int(epoch), schedule)
+        self._latest_model = schedule[-1][1]
+        self._plans = {}
 
     @property
     def micro_steps(self) -> int:
@@ -263,10 +323,17 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         return plan
 
     def _settings(self, epoch: int) -> tuple:
-        return (epoch, self.num_replicas, self.micro_steps, self.objective)
+        models = (
+            ()
+            if self.source_balance is None
+            else tuple(
+                (b, json.dumps(m.to_dict(), sort_keys=True)) for b, m in self.cost_schedule(epoch)
+            )
+        )
+        return (epoch, self.num_replicas, self.micro_steps, self.objective, models)
 
     def _build(self, settings: tuple) -> EpochPlan:
-        epoch, world, micro_steps, objective = settings
+        epoch, world, micro_steps, objective, models = settings
         if self.source_balance is None:
             return build_epoch_plan(
                 self.total_tokens,
@@ -284,6 +351,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             epoch=epoch,
             # no trainer told how the ranks meet: once per step
             balance=self.source_balance.resolved(micro_steps=micro_steps, objective=objective),
+            schedule=[(b, CostModel.from_dict(json.loads(m))) for b, m in models],
         )
 
     def _plan_ahead(self, epoch: int) -> None:
@@ -434,7 +502,16 @@ class _PackRefs(Sampler[list[tuple[int, int]]]):
         self.owner = owner
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for pack_id, ids in self.owner._refs:
+        owner = self.owner
+        refs, k = owner._refs, 0  # the pass's list: a re-plan changes its tail in place
+        while True:
+            with owner._refs_lock:
+                if k >= len(refs):
+                    return
+                pack_id, ids = refs[k]
+                k += 1
+                if owner._refs is refs:
+                    owner._refs_yielded = k
             yield [(pack_id, i) for i in ids.tolist()] if pack_id != PADDING else [(PADDING, -1)]
 
     def __len__(self) -> int:
@@ -506,6 +583,8 @@ class PackedDataLoader:
         self._start = 0
         self._delivered = 0
         self._refs: list[tuple[int, np.ndarray]] = []
+        self._refs_lock = threading.Lock()
+        self._refs_yielded = 0  # packs of ``_refs`` the inner DataLoader has asked for
         self._inner: DataLoader | None = None
         if sampler.config.overlong == "truncate":
             self.collate_fn.truncate_text = True
@@ -571,7 +650,9 @@ class PackedDataLoader:
                 start = self._resume_at
             self._resume_epoch = None
         self._iter_epoch, self._start, self._delivered = epoch, start, 0
-        self._refs = self.sampler.pack_refs(start, epoch=plan_epoch)
+        refs = self.sampler.pack_refs(start, epoch=plan_epoch)
+        with self._refs_lock:
+            self._refs, self._refs_yielded = refs, 0
         _check_ranks_agree(self.sampler, plan_epoch)
         packs = self.sampler.packs_per_rank(plan_epoch)
         if self._training():
@@ -600,6 +681,52 @@ class PackedDataLoader:
         for batch in batches:
             self._delivered += 1
             yield batch
+
+    def read_position(self) -> int | None:
+        """How far into this rank's packs of the epoch the inner ``DataLoader`` has asked for
+        packs (at least what was delivered: workers and read-ahead ask earlier); ``None``
+        without a pass of the current epoch in progress."""
+        if self._pending or self._iter_epoch != self.sampler.epoch:
+            return None
+        with self._refs_lock:
+            return self._start + self._refs_yielded
+
+    def adopt_cost_model(self, model: CostModel, *, after: int | None) -> int | None:
+        """Online calibration of a balanced sampler: re-plans the rest of the epoch with
+        ``model`` from the first global batch past position ``after`` with one global batch to
+        spare (``after``: the furthest :meth:`read_position` of every rank, so every rank
+        switches at the same batch, none of whose packs any rank has read), tells the training
+        loop the epoch's new length, and plans later epochs with ``model``. ``after=None``:
+        later epochs only. Returns the first global batch planned with ``model`` (``None``:
+        none of this epoch). A sampler that does not balance, or ``Trainer(overfit_batches=N)``
+        (which trains epoch 0's first packs every epoch), is left as it is.
+
+        Raises:
+            RuntimeError: if this rank has read past the switch already (``after`` was not the
+                furthest position of every rank).
+        """
+        if not self.sampler.balanced or self._overfitting():
+            return None
+        epoch = self._plan_epoch(self.sampler.epoch)
+        if after is None or self.read_position() is None:
+            self.sampler.adopt_cost_model(model, epoch=epoch, from_batch=None)
+            return None
+        G = self.sampler.micro_steps
+        first = -(-int(after) // G) + 1
+        with self._refs_lock:
+            mine = self._start + self._refs_yielded
+            if mine > first * G:
+                raise RuntimeError(
+                    f"PackedDataLoader: this rank has read {mine} packs of epoch {epoch} but the"
+                    f" cost model changes at global batch {first} (pack {first * G}): `after`"
+                    " must be the furthest position any rank has read"
+                )
+            if not self.sampler.adopt_cost_model(model, epoch=epoch, from_batch=first):
+                return None
+            self._refs[first * G - self._start :] = self.sampler.pack_refs(first * G, epoch)
+        if self._training():
+            seam.refresh_epoch_batches(self.trainer)  # the re-planned epoch's length
+        return first
 
     def _overfitting(self) -> bool:
         return self._training() and self.trainer.overfit_batches > 0
@@ -672,11 +799,14 @@ class PackedDataLoader:
         return self._start + self._delivered
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "epoch": self.sampler.epoch,
             "consumed": self.consumed,
             "fingerprint": self.sampler.fingerprint(),
         }
+        if self.sampler.balanced:  # the cost models the epoch is planned with (calibration)
+            state["cost_schedule"] = self.sampler.schedule_state()
+        return state
 
     def state_at(self, position: int) -> dict[str, Any]:
         """The state that resumes at ``position`` of the pass in progress: what a wrapper that
@@ -701,6 +831,10 @@ class PackedDataLoader:
         self._resume_epoch = int(state_dict["epoch"])
         self._resume_at = int(state_dict["consumed"])
         self.sampler.set_epoch(self._resume_epoch)
+        if self.sampler.balanced and state_dict.get("cost_schedule"):
+            self.sampler.load_schedule_state(
+                self._plan_epoch(self._resume_epoch), state_dict["cost_schedule"]
+            )
         log.info(
             "PackedDataLoader resumes epoch %d at pack %d", self._resume_epoch, self._resume_at
         )

@@ -26,6 +26,8 @@ the length table and the settings: every rank computes the same plan.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -215,9 +217,16 @@ def build_balanced_epoch_plan(
     epoch: int,
     balance: SourceBalance,
     cost_model: CostModel | None = None,
+    schedule: Sequence[tuple[int, CostModel]] | None = None,
 ) -> EpochPlan:
     """The epoch plan of a source-balanced sampler (see the module docstring): rank ``r``'s
     packs in order, ``micro_steps`` per global batch, placed by the planner for the objective.
+
+    ``schedule`` (online calibration) changes the cost model during the epoch: ``[(0, m0),
+    (b1, m1), ...]`` forms and places global batches ``b1, b1 + 1, ...`` with ``m1``, from the
+    samples the batches before ``b1`` left in the stream, in stream order (the rest of the
+    epoch re-planned from that position, as every rank does the same). Default: ``[(0,
+    cost_model or balance.model)]``. The epoch's pack count may change with the model.
 
     Raises:
         ValueError: as :func:`~lightning_vlmbalance.packing.plan.build_epoch_plan`, and for
@@ -228,7 +237,9 @@ def build_balanced_epoch_plan(
             "build_balanced_epoch_plan needs `micro_steps` and `objective` decided:"
             f" {balance.micro_steps=}, {balance.objective=} (`SourceBalance.resolved(...)`)"
         )
-    cost_model = balance.model if cost_model is None else cost_model
+    schedule = _check_schedule(
+        schedule or [(0, balance.model if cost_model is None else cost_model)]
+    )
     total_tokens = as_length_column(total_tokens, "total_tokens")
     image_tokens = as_length_column(image_tokens, "image_tokens")
     check_length_table(total_tokens, image_tokens)
@@ -249,34 +260,49 @@ def build_balanced_epoch_plan(
         order = order[np.random.default_rng([config.seed, epoch]).permutation(len(order))]
     if len(order) == 0:
         raise ValueError("no sample is left to pack (every sample was skipped)")
-    cost, fixed = sample_costs(cost_model, lengths, image_tokens, images)
+    costs = [
+        (start, model, *sample_costs(model, lengths, image_tokens, images))
+        for start, model in schedule
+    ]
     R, G = world_size, balance.micro_steps
     fallback = 0
     if balance.exact:
         batches, fallback = _exact_batches(
-            total_tokens, image_tokens, lengths, cost, fixed, config, R, G, epoch, balance
+            total_tokens, image_tokens, lengths, costs, config, R, G, epoch, balance
         )
     else:
-        batches = form_balanced_batches(
-            order,
-            lengths,
-            image_tokens,
-            cost,
-            packs_per_batch=R * G,
-            seq_len=config.seq_len,
-            pack_fixed_image_cost=fixed,
-            settings=balance,
-        )
+        batches = []
+        for k, (start, _, cost, fixed) in enumerate(costs):
+            if start > len(batches):
+                break  # the epoch ended before this model's first batch
+            if batches:  # the samples the earlier batches left, in stream order
+                order = order[~np.isin(order, np.concatenate([b.positions for b in batches]))]
+                if not len(order):
+                    break
+            formed = form_balanced_batches(
+                order,
+                lengths,
+                image_tokens,
+                cost,
+                packs_per_batch=R * G,
+                seq_len=config.seq_len,
+                pack_fixed_image_cost=fixed,
+                settings=balance,
+            )
+            end = costs[k + 1][0] if k + 1 < len(costs) else None
+            batches.extend(formed if end is None else formed[: end - start])
+    starts = [start for start, *_ in costs]
     rank_packs: list[list[np.ndarray]] = [[] for _ in range(R)]
     rank_ids: list[list[int]] = [[] for _ in range(R)]
     tokens: list[int] = []
     padding = 0
     empty = np.zeros(0, np.int64)
-    for batch in batches:
+    for index, batch in enumerate(batches):
         n_real = len(batch)
         padding += R * G - n_real
         pack_tokens = batch.tokens(lengths).tolist()
-        placed = _place(batch, lengths, image_tokens, images, cost_model, R, G, balance.objective)
+        model = costs[bisect.bisect_right(starts, index) - 1][1]
+        placed = _place(batch, lengths, image_tokens, images, model, R, G, balance.objective)
         for r in range(R):
             for p in placed[r]:
                 if p < n_real:
@@ -328,12 +354,23 @@ def _place(
     )  # (R, G)
 
 
+def _check_schedule(schedule: Sequence[tuple[int, CostModel]]) -> list[tuple[int, CostModel]]:
+    """``[(first global batch, model), ...]`` from batch 0 on, first batches increasing."""
+    out = [(int(start), model) for start, model in schedule]
+    starts = [start for start, _ in out]
+    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+        raise ValueError(
+            f"a cost-model schedule starts at global batch 0 and increases; got first batches"
+            f" {starts}"
+        )
+    return out
+
+
 def _exact_batches(
     total_tokens: np.ndarray,
     image_tokens: np.ndarray,
     lengths: np.ndarray,
-    cost: np.ndarray,
-    fixed: float,
+    costs: list[tuple[int, CostModel, np.ndarray, float]],
     config: PackingConfig,
     R: int,
     G: int,
@@ -342,16 +379,18 @@ def _exact_batches(
 ) -> tuple[list[Packs], int]:
     """The unbalanced plan's global batches, each re-formed into as many balanced packs from its
     own samples where they fit; otherwise kept as they are. Returns the batches and how many
-    were kept."""
+    were kept. ``costs``: per sample, from each ``(first batch, model, cost, fixed)`` on."""
     from lightning_vlmbalance.packing._source_kernel import balance_window, emit_packs
 
     plain = build_epoch_plan(total_tokens, image_tokens, config, world_size=R, epoch=epoch)
     n = plain.packs_per_rank
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     image_tokens = np.ascontiguousarray(image_tokens, dtype=np.int64)
-    cost = np.ascontiguousarray(cost, dtype=np.float64)
+    starts = [start for start, *_ in costs]
     batches, fallback = [], 0
     for k in range(0, n, G):
+        _, _, cost, fixed = costs[bisect.bisect_right(starts, k // G) - 1]
+        cost = np.ascontiguousarray(cost, dtype=np.float64)
         packs = [plain.rank_packs[r][j] for r in range(R) for j in range(k, min(k + G, n))]
         packs = Packs.from_lists([p for p in packs if len(p)])
         seq_s = np.empty(len(packs.positions), dtype=np.int64)

@@ -382,3 +382,90 @@ def test_images_from_the_lookahead_fill_gaps_and_pay_the_fixed_image_cost() -> N
     )
     assert [p.tolist() for p in batches[0]] == [[0, 4], [1, 5]]
     assert sorted(s for b in batches for p in b for s in p.tolist()) == list(range(6))
+
+
+# -- online calibration: the rest of an epoch re-planned with an adopted cost model ------------
+
+
+def _vision_heavy() -> vb.CostModel:
+    """A model far from the defaults: the vision phases only (other batches, other packs)."""
+    llm = {"pack": 0.0, "total_tokens": 0.0, "doc_sq_tokens": 0.0}
+    return vb.CostModel(coefficients={"llm_fwd": llm, "llm_bwd": llm})
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_an_adopted_model_re_plans_the_rest_of_the_epoch(exact) -> None:
+    """Adopting a model at global batch 2 keeps batches 0-1 as they were, forms the rest from
+    the samples they left (stream order) with the new model, every sample still exactly once;
+    later epochs plan with the new model from their start."""
+    t = _table(3000)
+    kw = {"seq_len": 8192, "num_replicas": 4, "rank": 0}
+    balance = vb.SourceBalance(micro_steps=2, exact=exact)
+    s = vb.PackingSampler(t.total_tokens, t.image_tokens, balance=balance, **kw)
+    before = s.plan()
+    new = _vision_heavy()
+    assert s.adopt_cost_model(new, from_batch=2)
+    after = s.plan()
+    for r in range(4):
+        for k in range(4):  # batches 0-1: 2 packs per rank each
+            assert np.array_equal(after.rank_packs[r][k], before.rank_packs[r][k])
+    assert _digest(after) != _digest(before)
+    assert np.sort(after.sample_ids()).tolist() == list(range(3000))
+    assert all(t.total_tokens[p].sum() <= 8192 for rank in after.rank_packs for p in rank)
+    assert not s.adopt_cost_model(new, from_batch=7)  # already in use there: nothing changes
+    assert [b for b, _ in s.cost_schedule()] == [0, 2]
+    # the next epoch is planned with the new model from its start
+    s.set_epoch(1)
+    fresh = vb.PackingSampler(t.total_tokens, t.image_tokens, balance=balance, **kw)
+    fresh.adopt_cost_model(new, from_batch=0)
+    fresh.set_epoch(1)
+    assert _digest(s.plan()) == _digest(fresh.plan())
+
+
+def test_a_loader_re_plans_past_what_it_has_read_and_resumes_on_the_same_packs() -> None:
+    """A loader mid-epoch switches at the first global batch after the position it is told
+    (with one to spare): the packs it yields are the old plan's up to there and the new plan's
+    after, every sample once; its state restores the same packs in a new loader. A rank that
+    has read past the switch raises."""
+    from lightning_vlmbalance.synthetic import SyntheticVLMDataset
+
+    t = synthetic_length_table(400, text_share=0.4, tile_tokens=8, max_text_tokens=64, seed=2)
+    ds = SyntheticVLMDataset(t, vocab_size=32, patch_dim=4)
+
+    def loader() -> vb.PackedDataLoader:
+        s = vb.PackingSampler(
+            t.total_tokens,
+            t.image_tokens,
+            seq_len=128,
+            num_replicas=1,
+            rank=0,
+            balance=vb.SourceBalance(micro_steps=2),
+        )
+        return vb.PackedDataLoader(ds, s, vb.PackCollator(128, image_feature_shape=(4,)))
+
+    first = loader()
+    it = iter(first)
+    seen = [next(it)["meta"]["sample_ids"] for _ in range(5)]
+    assert first.read_position() == 5
+    switch = first.adopt_cost_model(_vision_heavy(), after=first.read_position())
+    assert switch == 4  # ceil(5 / 2) + 1: the first global batch nobody has read, and one more
+    state = None
+    for k, batch in enumerate(it, start=5):
+        seen.append(batch["meta"]["sample_ids"])
+        if k == 9:
+            state = first.state_at(k + 1)
+    assert sorted(s for ids in seen for s in ids) == list(range(400))
+    plan = first.sampler.plan()
+    assert [list(ids) for ids in seen] == [p.tolist() for p in plan.rank_packs[0]]
+    # the checkpoint's state holds the models by batch: a new loader trains the same packs
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [b["meta"]["sample_ids"] for b in resumed]
+    assert rest == seen[10:]
+    # a rank told a position behind its own would switch inside what it already read
+    behind = loader()
+    it = iter(behind)
+    for _ in range(9):
+        next(it)
+    with pytest.raises(RuntimeError, match="furthest position"):
+        behind.adopt_cost_model(_vision_heavy(), after=2)

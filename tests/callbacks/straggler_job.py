@@ -25,7 +25,11 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
-from lightning_vlmbalance.synthetic import LengthTable, synthetic_length_table
+from lightning_vlmbalance.synthetic import (
+    LengthTable,
+    SyntheticVLMDataset,
+    synthetic_length_table,
+)
 from tests.packing.lightning_job import Data
 
 
@@ -62,6 +66,7 @@ def main() -> None:
     p.add_argument("--delay-ms", type=float, default=40.0)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--epochs", type=int, default=None, help="max_epochs (with --max-steps -1)")
     p.add_argument("--log-every", type=int, default=2)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--resume")
@@ -75,6 +80,7 @@ def main() -> None:
     p.add_argument("--mode", default="off", help="the rebalancing mode of our strategies")
     p.add_argument("--calibrate-every", type=int, default=0, help="online calibration period")
     p.add_argument("--wrong-model", action="store_true", help="start: vision x0.05, LLM x20")
+    p.add_argument("--source", action="store_true", help="balanced at the source (the sampler)")
     args = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -97,15 +103,23 @@ class RecordCalibration(Callback):
         rebalancer = getattr(trainer.strategy, "rebalancer", None)
         if rebalancer is not None and rebalancer.cost_model is not None:
             self.start_model = rebalancer.cost_model.to_dict()  # after a resume: the restored
+        self.seen: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        self.seen.append(list(batch["meta"]["sample_ids"]))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         driver = self.monitor.calibration
         if driver is None:
             return
         rebalancer = trainer.strategy.rebalancer
+        sampler = rebalancer.loader.loader.sampler
         (Path(self.out) / f"{self.name}_rank{trainer.global_rank}.json").write_text(
             json.dumps(
                 {
+                    "seen": self.seen,
+                    "switches": [b for b, _ in sampler.cost_schedule()] if sampler.balanced else [],
+                    "epoch_packs": sampler.packs_per_rank(),
                     "shipped": driver.shipped,
                     "loader_model": rebalancer.loader.cost_model.to_dict(),
                     "planned_batches": rebalancer.loader.planned_batches,
@@ -115,6 +129,32 @@ class RecordCalibration(Callback):
                 }
             )
         )
+
+
+class SourceData(Data):
+    """The packs balanced at the source by ``cost_model`` (the strategy's starting model)."""
+
+    def __init__(self, table: LengthTable, seq_len: int, workers: int, model: Any) -> None:
+        super().__init__(table, seq_len, workers)
+        self.model = model
+
+    def train_dataloader(self) -> vb.PackedDataLoader:
+        t = self.table
+        sampler = vb.PackingSampler(
+            t.total_tokens, t.image_tokens, seq_len=self.seq_len, seed=3, balance=self.model
+        )
+        return vb.PackedDataLoader(
+            SyntheticVLMDataset(t, vocab_size=64, patch_dim=8),
+            sampler,
+            vb.PackCollator(self.seq_len, image_feature_shape=(8,)),
+            trainer=self.trainer,
+        )
+
+
+def _start_model(args: argparse.Namespace) -> vb.CostModel | None:
+    if not args.wrong_model:
+        return None
+    return vb.CostModel.from_dict(_scaled(vb.CostModel().to_dict(), 0.05, 20.0))
 
 
 def _scaled(model: dict, vision: float, llm: float) -> dict:
@@ -152,10 +192,9 @@ def _fit(
             else None
         )
         config = vb.RebalanceConfig(mode=args.mode, calibration=calibration)
-        wrong = vb.CostModel.from_dict(_scaled(vb.CostModel().to_dict(), 0.05, 20.0))
         strategy = (
             vb.VLMBalanceStrategy if args.strategy == "vlmbalance" else vb.FSDPVLMBalanceStrategy
-        )(config=config, cost_model=wrong if args.wrong_model else None)
+        )(config=config, cost_model=_start_model(args))
     if args.user_hook:
         strategy = DDPStrategy(ddp_comm_hook=_never_called_hook)
     validate = {}
@@ -172,6 +211,7 @@ def _fit(
         strategy=strategy,
         **validate,
         max_steps=args.max_steps,
+        max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
         logger=TensorBoardLogger(Path(args.out) / "tb", name="run", version=version),
         callbacks=callbacks,
@@ -190,7 +230,11 @@ def _fit(
         max_positions=128,
         moe_experts=2,
     )
-    data = (DataWithVal if validate else Data)(table, 128, 0)
+    data = (
+        SourceData(table, 128, 0, _start_model(args) or vb.CostModel())
+        if args.source
+        else (DataWithVal if validate else Data)(table, 128, 0)
+    )
     trainer.fit(model, datamodule=data, ckpt_path=resume)
     # every rank saves (Lightning's save_checkpoint is a collective); rank 0 writes
     trainer.save_checkpoint(Path(args.out) / ("last.ckpt" if version == 0 else "last_resumed.ckpt"))

@@ -253,3 +253,49 @@ def test_online_calibration_adopts_the_same_model_on_every_rank_and_survives_a_r
         assert resumed["start_model"] == saved["model"]
     tags = set(_events(tmp_path).Tags()["scalars"])
     assert {"calibration/version", "calibration/mape_total_ms", "calibration/accepted"} <= tags
+
+
+def _find(state: object, key: str) -> object:
+    """The first value under ``key`` anywhere in a checkpoint's nested dicts and lists."""
+    if isinstance(state, dict):
+        if key in state:
+            return state[key]
+        state = list(state.values())
+    if isinstance(state, list):
+        for item in state:
+            found = _find(item, key)
+            if found is not None:
+                return found
+    return None
+
+
+def test_online_calibration_re_plans_a_source_balanced_epoch_on_every_rank(tmp_path) -> None:
+    """Balanced at the source from the wrong model, refitting every 5 steps: an adopted model
+    re-plans the rest of the epoch on both ranks at the same global batch (no rank had read it),
+    no sample is trained twice, and Lightning trains the epoch's new length. A resume from step
+    10 restores the models by batch from the loader's state: the same packs as the first run
+    until either run adopts a model the checkpoint did not have."""
+    _run(
+        tmp_path,
+        *("--strategy", "vlmbalance", "--source", "--wrong-model"),
+        *("--max-steps", "-1", "--epochs", "1"),
+        *("--calibrate-every", "5", "--accumulate", "2", "--delay-ms", "0"),
+        *("--checkpoint-every", "10", "--then-resume-from", "10"),
+    )
+    first = [json.loads((tmp_path / f"calibration_rank{r}.json").read_text()) for r in (0, 1)]
+    assert first[0]["shipped"] == first[1]["shipped"] and first[0]["shipped"]
+    switches = first[0]["switches"]
+    assert switches == first[1]["switches"] and len(switches) > 1  # the sampler re-planned
+    for r in (0, 1):  # the whole epoch, re-planned length included, and nothing twice
+        assert len(first[r]["seen"]) == first[r]["epoch_packs"]
+    trained = sorted(s for r in (0, 1) for ids in first[r]["seen"] for s in ids)
+    assert trained == list(range(600))  # every sample exactly once in the re-planned epoch
+    state = torch.load(tmp_path / "ckpt" / "step=10.ckpt", weights_only=False)
+    saved = [b for b, _ in _find(state, "cost_schedule")]
+    assert len(saved) > 1  # the checkpoint holds a re-planned epoch
+    for r in (0, 1):
+        resumed = json.loads((tmp_path / f"calibration_resumed_rank{r}.json").read_text())
+        later = [b for b in first[r]["switches"] + resumed["switches"] if b not in saved]
+        until = 2 * min([*later, first[r]["epoch_packs"] // 2])
+        assert until > 20
+        assert resumed["seen"][: until - 20] == first[r]["seen"][20:until]
