@@ -12,7 +12,31 @@ import socket
 
 from harness.jobs import ROOT, JobResult, check, run_jobs
 
-__all__ = ["ROOT", "run_module", "run_module_raw", "run_modules", "run_nodes"]
+__all__ = [
+    "ROOT",
+    "THEN",
+    "fit_arg_lists",
+    "run_module",
+    "run_module_raw",
+    "run_modules",
+    "run_nodes",
+]
+
+
+THEN = "--then"  # separates the argument lists of the fits of one launch of a job script
+
+
+def fit_arg_lists(argv: list[str]) -> list[list[str]]:
+    """A job script's argument lists, one per fit of the launch (separated by ``--then``): the
+    fits run one after the other in the same processes (Lightning starts the ranks for the
+    first; the later Trainers find them started and the process group up)."""
+    fits: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == THEN:
+            fits.append([])
+        else:
+            fits[-1].append(arg)
+    return fits
 
 
 def run_module_raw(module: str, *args: str, timeout: int = 300) -> JobResult:

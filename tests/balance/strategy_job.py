@@ -10,12 +10,20 @@ optimizer step's loss itself; ``--global-tokens`` wraps it in a user-made
 ``RebalancingLoader(mode="off")``.
 ``--record-grads``: rank 0 writes ``DIR/grads.pt``, per optimizer step the parameters before it
 and the gradients before and after clipping.
+
+Several fits in one launch: argument lists separated by ``--then`` run one after the other in
+the same processes (Lightning starts the ranks for the first fit; the later Trainers find
+them started and the process group up, as in any script that fits twice). Each fit seeds
+everything again and counts its own broadcasts, and writes to its own ``--out``. The tests put
+a reference fit (plain DDP / FSDP2) first, so it runs before any code of the strategy under test
+in that process; a fit that is to fail (``--fail-rank``) runs alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 import lightning_vlmbalance as vb
 from lightning_vlmbalance.balance.loader import RebalancingLoader
 from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
+from tests.launch import THEN, fit_arg_lists
 from tests.packing.lightning_job import SMALL_VLM, Data, RecordingVLM, step_checkpoints
 
 
@@ -273,7 +282,59 @@ def _strategy(args: argparse.Namespace) -> Any:
     return args.strategy
 
 
+def run_fits(
+    jobs: dict[str, tuple[str, ...]],
+    launches: list[tuple[str, ...]],
+    *,
+    after: dict[str, list[str]] | None = None,
+    timeouts: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Runs the fits ``jobs`` (``name: tests.balance.fits.job(...)``) with
+    :func:`harness.jobs.run_jobs`, two launches at a time in the order of ``launches``: the
+    fits named in one entry of ``launches`` run in one launch, one after the other in that
+    order (a fit in no entry: a launch of its own). ``after`` and ``timeouts`` name fits.
+    Returns every fit's launch's ``JobResult``: a fit's test checks the exit of its launch."""
+    from harness.jobs import run_jobs
+
+    groups = [[n for n in group if n in jobs] for group in launches]
+    grouped = {n for group in groups for n in group}
+    groups = [g for g in groups if g] + [[n] for n in jobs if n not in grouped]
+    launch_of = {n: "+".join(g) for g in groups for n in g}
+    entries = {}
+    for g in groups:
+        entry = list(jobs[g[0]])
+        for n in g[1:]:
+            assert jobs[n][0] == entry[0], "one job module per launch"
+            entry += [THEN, *jobs[n][1:]]
+        entries[launch_of[g[0]]] = tuple(entry)
+    needs: dict[str, list[str]] = {}
+    for n, ms in (after or {}).items():
+        if n in jobs:
+            assert not {launch_of[m] for m in ms if m in jobs} & {launch_of[n]}, (
+                "a resume runs in a launch after its fit's"
+            )
+            needs.setdefault(launch_of[n], [])
+            needs[launch_of[n]] += [launch_of[m] for m in ms if m in jobs]
+    limits = {launch_of[n]: t for n, t in (timeouts or {}).items() if n in jobs}
+    procs = run_jobs(entries, after=needs, timeouts=limits)
+    return {n: procs[launch_of[n]] for n in jobs}
+
+
 def main() -> None:
+    fits = fit_arg_lists(sys.argv[1:])
+    torch.set_num_threads(1)
+    _count_broadcasts()
+    _count_sync_skips()
+    parsed = [_parser().parse_args(f) for f in fits]
+    if len(parsed) > 1:  # the ranks are started once: every fit has the same world
+        assert len({(a.devices, a.num_nodes) for a in parsed}) == 1, "one world per launch"
+        assert all(a.fail_rank is None for a in parsed), "a failing fit runs alone"
+    for args in parsed:
+        BROADCASTS[0] = SYNC_SKIPS[0] = 0
+        _fit(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="vlmbalance")
@@ -312,10 +373,10 @@ def main() -> None:
         action="store_true",
         help="StragglerMonitor, ActivationOffload(test_mode) and CompiledMoERouting too",
     )
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    _count_broadcasts()
-    _count_sync_skips()
+    return p
+
+
+def _fit(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     seq_len = 128
     table = synthetic_length_table(

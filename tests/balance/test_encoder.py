@@ -12,13 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.jobs import check, result, run_jobs, selected
+from harness.jobs import check, result, selected
 from harness.ranks import run_ranks
 from lightning_vlmbalance.balance.encoder import encode_images, register_group, route_for
 from lightning_vlmbalance.balance.image_lp import lp_bound, lp_min_ranks
 from lightning_vlmbalance.balance.images import image_bound, plan_images
 from lightning_vlmbalance.balance.loader import image_payload_fields
 from tests.balance.fits import fit_result, job, max_rel_diff
+from tests.balance.strategy_job import run_fits
 
 # -- the planner ------------------------------------------------------------------------------
 
@@ -291,6 +292,15 @@ FITS = {  # the longest first (4 ranks: with `pytest -m suite`)
     "source_encoder_ga3": _args("vlmbalance", 3, "--balance", "--encoder", "--max-steps", "8"),
     "fsdp_encoder_ga3": _args("fsdp_vlmbalance", 3, "--encoder"),
 }
+# the fits of one launch run one after the other in the same processes (process start-up is
+# most of a short fit's time), the baseline first: before any encoder-balancing code ran there
+LAUNCHES = [
+    ("ddp4_ga3", "overlap4_ga3"),
+    ("source_ga3", "source_encoder_ga3"),
+    ("fsdp_ga3", "fsdp_encoder_ga3"),
+    ("ddp_ga3", "off_ga3", "overlap_ga3"),
+    ("ddp_ga1", "overlap_ga1"),
+]
 PAIRS = [  # (with encoder balancing, its baseline)
     ("off_ga3", "ddp_ga3"),
     ("overlap_ga3", "ddp_ga3"),
@@ -304,8 +314,9 @@ PAIRS = [  # (with encoder balancing, its baseline)
 @pytest.fixture(scope="module")
 def fits(request, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("encoder_fits")
-    procs = run_jobs(
+    procs = run_fits(
         {name: job(root / name, *a) for name, a in selected(request, FITS).items()},
+        LAUNCHES,
     )
     return {"root": root, "procs": procs}
 

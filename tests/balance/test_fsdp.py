@@ -12,17 +12,20 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_vlmbalance as vb
-from harness.jobs import check, result, run_jobs, selected
+from harness.jobs import check, result, selected
 from tests.balance.fits import fit_result as _result
 from tests.balance.fits import job as _job
 from tests.balance.fits import max_rel_diff as _max_rel_diff
 from tests.balance.fits import packs as _packs
-from tests.launch import run_modules, run_nodes
+from tests.balance.strategy_job import THEN, run_fits
+from tests.launch import run_nodes
 
 # 300 samples: 14 optimizer steps of 3 micro-batches per rank in the epoch; dense MLPs (tensor
 # parallelism splits them; MoE under FSDP: test_every_callback_composes)
 EPOCH = ("--samples", "300", "--epochs", "1", "--max-steps", "-1", "--accumulate", "3", "--dense")
 FSDP = ("--strategy", "fsdp_vlmbalance")
+# the multi-node fits and their 4-rank reference: into the second epoch
+NODES_STEPS = ("--samples", "300", "--max-steps", "8", "--accumulate", "3", "--dense")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,8 @@ def jobs(request, tmp_path_factory) -> dict:
     """The single-node jobs of this module's selected tests (``@pytest.mark.jobs``), two at a
     time: one epoch each of plain FSDP2 and fsdp_vlmbalance in every mode (float64), the resumes
     from their step-4 checkpoints (``after``), a failing rank, every callback, and tensor
-    parallelism on 4 processes."""
+    parallelism on 4 processes (after plain DDP on 4 ranks, the multi-node runs' reference, in
+    the same launch)."""
     root = tmp_path_factory.mktemp("fsdp_fits")
     every4 = ("--checkpoint-every", "4")
 
@@ -38,6 +42,7 @@ def jobs(request, tmp_path_factory) -> dict:
         return str(root / name / "ckpt" / "step=4.ckpt")
 
     args = {  # the longest first
+        "ddp4": ("--strategy", "ddp", "--devices", "4", *NODES_STEPS),
         "tp": (*FSDP, *EPOCH, "--tp", "2", "--devices", "4"),
         "fsdp": ("--strategy", "fsdp", *EPOCH, *every4),
         "overlap": (*FSDP, "--mode", "overlap", *EPOCH, *every4),
@@ -52,8 +57,18 @@ def jobs(request, tmp_path_factory) -> dict:
         "resumed_fsdp": ("--strategy", "fsdp", *EPOCH, "--resume", step4("fsdp")),
     }
     after = {"resumed_overlap": ["overlap"], "resumed_fsdp": ["fsdp"]}
-    procs = run_jobs(
+    procs = run_fits(
         {name: _job(root / name, *a) for name, a in selected(request, args, after).items()},
+        # fits of one launch run one after the other in the same processes (process start-up
+        # is much of a fit's time): a reference first, the resumes in fresh processes, the
+        # failing job alone, every callback after the fits it could disturb
+        [
+            ("fsdp", "overlap"),
+            ("ddp4", "tp"),
+            ("off", "no_sync_accumulation", "callbacks"),
+            ("fail",),
+            ("resumed_fsdp", "resumed_overlap"),
+        ],
         after=after,
         timeouts={"fail": 240},  # a hang runs into it: an error of the test
     )
@@ -163,24 +178,36 @@ def test_tensor_parallel_ranks_compute_the_same_packs(jobs) -> None:
     assert _max_rel_diff(run["params"], plain["params"]) < 1e-10
 
 
-NODES_STEPS = ("--samples", "300", "--max-steps", "8", "--accumulate", "3", "--dense")
+@pytest.fixture(scope="module")
+def four_rank_ddp(jobs) -> Path:
+    """Plain DDP on 4 ranks of one node: the multi-node runs' reference (in the launch of the
+    tensor-parallel fit, also 4 processes)."""
+    check(result(jobs["procs"], "ddp4"))
+    return jobs["root"] / "ddp4"
+
+
+NODE_STRATEGIES = ["vlmbalance", "fsdp_vlmbalance"]
 
 
 @pytest.fixture(scope="module")
-def four_rank_ddp(tmp_path_factory) -> Path:
-    """Plain DDP on 4 ranks of one node: the multi-node runs' reference."""
-    out = tmp_path_factory.mktemp("ddp4")
-    run_modules([_job(out, "--strategy", "ddp", "--devices", "4", *NODES_STEPS)])
-    return out
+def two_nodes(tmp_path_factory) -> Path:
+    """One launch of 2 nodes x 2 ranks that fits with each strategy in turn (the second fit in
+    the processes the first started): ``root / strategy``."""
+    root = tmp_path_factory.mktemp("two_nodes")
+    fits = [
+        _job(root / s, "--strategy", s, "--num-nodes", "2", *NODES_STEPS) for s in NODE_STRATEGIES
+    ]
+    run_nodes(fits[0][0], *fits[0][1:], *(a for f in fits[1:] for a in (THEN, *f[1:])))
+    return root
 
 
-@pytest.mark.parametrize("strategy", ["vlmbalance", "fsdp_vlmbalance"])
-def test_two_nodes_of_two_ranks(strategy, four_rank_ddp, tmp_path) -> None:
+@pytest.mark.jobs("ddp4")
+@pytest.mark.parametrize("strategy", NODE_STRATEGIES)
+def test_two_nodes_of_two_ranks(strategy, four_rank_ddp, two_nodes) -> None:
     """num_nodes=2 x devices=2 (Lightning's multi-node environment variables, one process per
     node starting its local ranks): plans and moves use global ranks; the parameters equal plain
     DDP on 4 ranks of one node, the same samples once per epoch, and packs changed rank."""
-    baseline, out = four_rank_ddp, tmp_path
-    run_nodes(*_job(out, "--strategy", strategy, "--num-nodes", "2", *NODES_STEPS))
+    baseline, out = four_rank_ddp, two_nodes / strategy
     ref, run = torch.load(baseline / "params.pt"), torch.load(out / "params.pt")
     assert _max_rel_diff(run, ref) < 1e-10
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]

@@ -8,11 +8,12 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_vlmbalance as vb
-from harness.jobs import check, result, run_jobs, selected
+from harness.jobs import check, result, selected
 from tests.balance.fits import fit_result as _result
 from tests.balance.fits import job as _job
 from tests.balance.fits import max_rel_diff as _max_rel_diff
 from tests.balance.fits import packs as _packs
+from tests.balance.strategy_job import run_fits
 
 EPOCH = ("--epochs", "1", "--max-steps", "-1")  # 84 packs per rank: 21 steps of 4
 
@@ -71,8 +72,19 @@ def jobs(request, tmp_path_factory) -> dict:
         "world_size_one": ("--strategy", "vlmbalance", "--devices", "1", "--max-steps", "5"),
     }
     after = {"overlap_resumed": ["overlap"], "ddp_resumed": ["ddp"]}
-    procs = run_jobs(
+    procs = run_fits(
         {name: _job(root / name, *a) for name, a in selected(request, args, after).items()},
+        # fits of one launch run one after the other in the same 2 processes (process start-up
+        # is most of a short fit's time): plain DDP first, before any of the strategy's code;
+        # the resumes in fresh processes; a failing job alone
+        [
+            ("ddp", "overlap", "sync"),
+            (*(f"precision_{p}" for p in PRECISIONS), *(f"overfit_{s}_{o}" for s, o, _ in OVERFIT)),
+            ("fail_sync",),
+            ("fail_overlap",),
+            ("mismatch",),
+            ("ddp_resumed", "overlap_resumed"),
+        ],
         after=after,
         # a hang of a failing job runs into its timeout (an error of the test)
         timeouts={"fail_sync": 240, "fail_overlap": 240, "mismatch": 300},

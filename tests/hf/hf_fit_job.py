@@ -2,13 +2,15 @@
 ``test_hf_fit.py`` as ``python -m tests.hf.hf_fit_job``.
 
 Rank 0 writes the final parameters (``params.pt``) and ``result.json``: optimizer steps, packs
-moved, and, per rank, the packs trained and how many of them were text-only.
+moved, and, per rank, the packs trained and how many of them were text-only. Several fits in
+one launch: argument lists separated by ``--then``, one after the other in the same processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 import lightning_vlmbalance as vb
 from examples.hf_vlm import HFVLM, HFData
 from lightning_vlmbalance.hf.synthetic import tiny_config
+from tests.launch import fit_arg_lists
 
 
 class CountPacks(L.Callback):
@@ -69,6 +72,21 @@ class SGDHFVLM(HFVLM):
 
 
 def main() -> None:
+    """One fit, or several one after the other in the same processes: argument lists separated
+    by ``--then`` (Lightning starts the ranks for the first fit; the later Trainers find them
+    started and the process group up)."""
+    parsed = [_parser().parse_args(f) for f in fit_arg_lists(sys.argv[1:])]
+    torch.set_num_threads(1)
+    for args in parsed:
+        _fit(args)
+    # leave the process group before the interpreter exits: a gloo group torn down at exit
+    # while the peer's process is already gone aborted a rank now and then (terminate called
+    # without an active exception, exit -6)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--family", default="qwen2_5_vl")
@@ -83,9 +101,10 @@ def main() -> None:
     p.add_argument("--max-images", type=int, default=2, help="images per sample, at most")
     p.add_argument("--encoder", action="store_true", help="encoder balancing (image by image)")
     p.add_argument("--sgd", action="store_true", help="SGD instead of AdamW")
-    args = p.parse_args()
+    return p
 
-    torch.set_num_threads(1)
+
+def _fit(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     config = tiny_config(args.family)
     seq_len = args.seq_len or (256 if args.family.startswith("qwen") else 512)
@@ -148,11 +167,6 @@ def main() -> None:
             "metrics": sorted(trainer.callback_metrics),
         }
         (out / "result.json").write_text(json.dumps(result))
-    # leave the process group before the interpreter exits: a gloo group torn down at exit
-    # while the peer's process is already gone aborted a rank now and then (terminate called
-    # without an active exception, exit -6)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,61 +11,74 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.launch import run_module, run_modules
+from harness.jobs import check, run_jobs
+from tests.launch import THEN
 
 JOB = "tests.hf.hf_fit_job"
+
 FP32 = ("--precision", "32-true")
 LLAVA = ("--family", "llava_onevision", "--max-images", "1", "--text-share", "0.75", "--sgd")
 
 
+def _launch(root: Path, *fits: tuple[str, ...]) -> tuple[str, ...]:
+    """One launch of ``hf_fit_job`` that runs ``fits`` (``(name, *args)``, each writing to
+    ``root / name``) one after the other in the same 2 processes."""
+    argv: list[str] = [JOB]
+    for name, *args in fits:
+        argv += [*([THEN] if len(argv) > 1 else []), "--out", str(root / name), *args]
+    return tuple(argv)
+
+
+# the fits of one launch run one after the other in the same processes (process start-up,
+# transformers included, is much of a 4-step fit's time); plain DDP first where a fit is
+# compared with it, CompiledMoERouting (it patches the experts) last
+LAUNCHES = {
+    "qwen": (
+        ("ddp", "--strategy", "ddp"),
+        ("vlmbalance", "--strategy", "vlmbalance"),
+        ("encoder", "--strategy", "vlmbalance", "--encoder"),
+    ),
+    # whole-image families, text-only packs in the mix; LLaVA-OneVision in float64 with
+    # encoder balancing against plain DDP (SGD: see hf_fit_job.SGDHFVLM)
+    "llava": (
+        ("llava_ddp", *LLAVA, "--strategy", "ddp"),
+        ("llava_onevision", *LLAVA, "--strategy", "vlmbalance", "--encoder"),
+    ),
+    "others": (
+        ("idefics3", "--family", "idefics3", *FP32, "--text-share", "0.9"),
+        ("fsdp", "--strategy", "fsdp_vlmbalance", "--encoder", *FP32),
+        ("moe", "--family", "qwen3_vl_moe", "--moe", *FP32),
+    ),
+}
+
+
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fits(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The fits of this module, and the Hugging Face main job, two launches at a time."""
     root = tmp_path_factory.mktemp("hf_fits")
-    run_modules(
-        [
-            (JOB, "--out", str(root / "ddp"), "--strategy", "ddp"),
-            (JOB, "--out", str(root / "vlmbalance"), "--strategy", "vlmbalance"),
-            (JOB, "--out", str(root / "encoder"), "--strategy", "vlmbalance", "--encoder"),
-            (JOB, "--out", str(root / "moe"), "--family", "qwen3_vl_moe", "--moe", *FP32),
-            (JOB, "--out", str(root / "fsdp"), "--strategy", "fsdp_vlmbalance", "--encoder", *FP32),
-            # whole-image families, text-only packs in the mix; LLaVA-OneVision in float64 with
-            # encoder balancing against plain DDP (SGD: see hf_fit_job.SGDHFVLM)
-            (
-                JOB,
-                "--out",
-                str(root / "idefics3"),
-                "--family",
-                "idefics3",
-                *FP32,
-                "--text-share",
-                "0.9",
-            ),
-            *[
-                (JOB, "--out", str(root / name), *LLAVA, *extra)
-                for name, extra in (
-                    ("llava_onevision", ("--strategy", "vlmbalance", "--encoder")),
-                    ("llava_ddp", ("--strategy", "ddp")),
-                )
-            ],
-        ],
-        parallel=2,
-    )
-    return root
+    jobs = {name: _launch(root, *f) for name, f in LAUNCHES.items()}
+    (root / "main").mkdir()
+    jobs["main"] = ("examples.hf_vlm", "--root", str(root / "main"),
+                    "--num-samples", "160", "--epochs", "1")  # fmt: skip
+    procs = run_jobs(jobs, timeout=600)
+    launch_of = {fit[0]: name for name, f in LAUNCHES.items() for fit in f}
+    return {"root": root, "procs": procs, "launch_of": launch_of}
 
 
-def _result(root: Path, name: str) -> dict:
-    return json.loads((root / name / "result.json").read_text())
+def _result(fits: dict, name: str) -> dict:
+    check(fits["procs"][fits["launch_of"][name]])
+    return json.loads((fits["root"] / name / "result.json").read_text())
 
 
-def _same_parameters(root: Path, a_name: str, b_name: str) -> None:
-    a = torch.load(root / a_name / "params.pt")
-    b = torch.load(root / b_name / "params.pt")
+def _same_parameters(fits: dict, a_name: str, b_name: str) -> None:
+    a = torch.load(fits["root"] / a_name / "params.pt")
+    b = torch.load(fits["root"] / b_name / "params.pt")
     assert a.keys() == b.keys() and all(t.dtype == torch.float64 for t in a.values())
     worst = max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30)) for k in a)
     assert worst <= 1e-10, worst
 
 
-def test_vlmbalance_trains_the_hf_model_like_ddp_in_float64(fits: Path) -> None:
+def test_vlmbalance_trains_the_hf_model_like_ddp_in_float64(fits: dict) -> None:
     """Qwen2.5-VL, 2 ranks, accumulation 2, text-only packs included: the parameters after 4
     steps equal plain DDP's to 1e-10 relative, while whole packs changed rank."""
     ddp, vlm = _result(fits, "ddp"), _result(fits, "vlmbalance")
@@ -95,7 +108,7 @@ def test_encoder_balancing_trains_the_hf_model_like_ddp_in_float64(
     _same_parameters(fits, baseline, name)
 
 
-def test_compiled_moe_routing_trains_qwen3_vl_moe(fits: Path) -> None:
+def test_compiled_moe_routing_trains_qwen3_vl_moe(fits: dict) -> None:
     moe = _result(fits, "moe")
     assert moe["steps"] == 4 and moe["moe_layers"] == 2
     assert "moe/max_load" in moe["metrics"]
@@ -103,7 +116,7 @@ def test_compiled_moe_routing_trains_qwen3_vl_moe(fits: Path) -> None:
 
 
 @pytest.mark.parametrize("family", ["llava_onevision", "idefics3"])
-def test_whole_image_families_train_with_text_only_packs(fits: Path, family: str) -> None:
+def test_whole_image_families_train_with_text_only_packs(fits: dict, family: str) -> None:
     """LLaVA-OneVision (some vision parameters its forward never uses) and Idefics3 (tiles) train
     under "vlmbalance" on 2 ranks, with text-only packs on both ranks: no DDP error, no hang."""
     res = _result(fits, family)
@@ -111,7 +124,7 @@ def test_whole_image_families_train_with_text_only_packs(fits: Path, family: str
     assert res["loss"] == res["loss"]
 
 
-def test_fsdp_vlmbalance_trains_the_hf_model_with_text_only_packs(fits: Path) -> None:
+def test_fsdp_vlmbalance_trains_the_hf_model_with_text_only_packs(fits: dict) -> None:
     """Qwen2.5-VL sharded with FSDP2 (every decoder layer and vision block a unit) under
     "fsdp_vlmbalance" with encoder balancing: a rank with a text-only pack, or with no image to
     encode, still runs the vision tower's all-gather and reduce-scatter (the dummy image), so no
@@ -122,17 +135,8 @@ def test_fsdp_vlmbalance_trains_the_hf_model_with_text_only_packs(fits: Path) ->
     assert res["loss"] == res["loss"]
 
 
-def test_hf_main_job_trains_and_logs(tmp_path: Path) -> None:
-    proc = run_module(
-        "examples.hf_vlm",
-        "--root",
-        str(tmp_path),
-        "--num-samples",
-        "160",
-        "--epochs",
-        "1",
-        timeout=600,
-    )
+def test_hf_main_job_trains_and_logs(fits: dict) -> None:
+    proc = check(fits["procs"]["main"])  # --num-samples 160 --epochs 1, in the fits' pool
     line = next(x for x in proc.stdout.splitlines() if x.startswith("SUMMARY_JSON "))
     summary = json.loads(line.removeprefix("SUMMARY_JSON "))
     assert summary["ranks"] == 2 and summary["optimizer_steps"] > 0

@@ -7,7 +7,8 @@ sample_ids, loss_tokens, global_loss_tokens)``, and the pack count of every epoc
 rank (what the sampler planned, whatever Lightning was told). ``--reload`` asks for a new loader
 every epoch; ``--checkpoint-every N`` saves every N optimizer steps; ``--resume CKPT`` resumes;
 ``--plain-loader`` trains a torch ``DataLoader`` over epoch 0's packs with ``PackCollator``
-(a loader that cannot resume).
+(a loader that cannot resume). Several fits in one launch: argument lists separated by
+``--then``, one after the other in the same processes.
 Run as a subprocess: Lightning's DDP launcher re-executes it.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from torch.utils.data import DataLoader
 import lightning_vlmbalance as vb
 from lightning_vlmbalance.synthetic import LengthTable, SyntheticVLMDataset, synthetic_length_table
 from tests.balance.strategy_job import Job
+from tests.launch import fit_arg_lists
 from tests.packing.lightning_job import SMALL_VLM, step_checkpoints
 
 SAMPLES, SEQ_LEN = 300, 128
@@ -123,6 +126,16 @@ class EpochJob(Job):
 
 
 def main() -> None:
+    """One fit, or several one after the other in the same processes: argument lists separated
+    by ``--then`` (``tests.balance.strategy_job.run_fits``)."""
+    parsed = [_parser().parse_args(f) for f in fit_arg_lists(sys.argv[1:])]
+    assert len({a.devices for a in parsed}) == 1, "one world per launch"
+    torch.set_num_threads(1)
+    for args in parsed:
+        _fit(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="vlmbalance")
@@ -138,8 +151,10 @@ def main() -> None:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--overfit-batches", type=float, default=0.0)
     p.add_argument("--plain-loader", action="store_true")
-    args = p.parse_args()
-    torch.set_num_threads(1)
+    return p
+
+
+def _fit(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     strategy: Any = args.strategy
     if args.strategy == "fsdp_vlmbalance":

@@ -3,13 +3,16 @@
     python -m tests.packing.lightning_job --out DIR [--resume CKPT] [--checkpoint-every N]
 
 Each rank writes ``DIR/rank{r}.json``: the ``(epoch, pack_id, sample_ids)`` of every micro-batch
-passed to ``training_step``, in order. Run as a subprocess: Lightning's DDP launcher re-executes it.
+passed to ``training_step``, in order. Several fits in one launch: argument lists separated by
+``--then``, one after the other in the same processes. Run as a subprocess: Lightning's DDP
+launcher re-executes it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import lightning_vlmbalance as vb
 from examples.vlm import SMALL_VLM, ToyVLM
 from lightning_vlmbalance.synthetic import LengthTable, SyntheticVLMDataset, synthetic_length_table
+from tests.launch import fit_arg_lists
 
 __all__ = ["SMALL_VLM", "Data", "RecordingVLM", "step_checkpoints"]
 
@@ -72,6 +76,15 @@ class Data(L.LightningDataModule):
 
 
 def main() -> None:
+    """One fit, or several one after the other in the same processes: argument lists separated
+    by ``--then`` (Lightning starts the ranks for the first fit; the later Trainers find them)."""
+    parsed = [_parser().parse_args(f) for f in fit_arg_lists(sys.argv[1:])]
+    torch.set_num_threads(1)
+    for args in parsed:
+        _fit(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--resume")
@@ -83,8 +96,10 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=300)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--text-only-second-half", action="store_true")
-    args = p.parse_args()
-    torch.set_num_threads(1)
+    return p
+
+
+def _fit(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     seq_len = 128
     table = synthetic_length_table(

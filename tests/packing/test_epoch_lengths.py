@@ -15,7 +15,8 @@ from collections import defaultdict
 
 import pytest
 
-from harness.jobs import check, result, run_jobs, selected
+from harness.jobs import check, result, selected
+from tests.balance.strategy_job import run_fits
 from tests.packing.epoch_job import SAMPLES, sampler
 
 EPOCHS = 5  # the fits that check every epoch run 5 (issue 24); the resumes and the overfit run 3
@@ -81,11 +82,26 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     args = selected(request, args, after)
     for name in args:
         (root / name).mkdir()
-    procs = run_jobs(
+    procs = run_fits(
         {
             name: ("tests.packing.epoch_job", "--out", str(root / name), *a)
             for name, a in args.items()
         },
+        # each of the six fits of the every-sample-once test has a launch of its own; a fit
+        # of another test runs after one of them in its processes (same world), or with the
+        # other resume (fresh processes, after the fits they resume); those with a resume
+        # first. plain_loader_resume runs alone: its test reads the warning in its stderr
+        [
+            ("ddp",),
+            ("vlm_balance", "plain_loader"),
+            ("one_plain", "overfit"),
+            ("ddp_reload",),
+            ("vlm_balance_reload",),
+            ("fsdp_balance_reload",),
+            ("resume_ddp", "resume_vlm"),
+            ("plain_loader_resume",),
+            ("overfit_resume",),
+        ],
         after=after,
     )
     return {"root": root, "procs": procs}

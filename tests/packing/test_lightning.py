@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.jobs import check, result, run_jobs, selected
+from harness.jobs import check, result, selected
+from tests.balance.strategy_job import run_fits
 
 # 40 packs per rank per epoch, accumulate 2: epoch 0 ends at step 20
 RESUME_CASES = [
@@ -47,11 +48,15 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     args = selected(request, args, after)
     for name in args:
         (root / name).mkdir()
-    procs = run_jobs(
+    resumes = [f"resume_{pattern}" for pattern, _ in RESUME_CASES]
+    procs = run_fits(
         {
             name: ("tests.packing.lightning_job", "--out", str(root / name), *a)
             for name, a in args.items()
         },
+        # fits of one launch run one after the other in the same processes (process start-up
+        # is most of these fits' time); the resumes in processes that never ran the full fit
+        [("full",), ("no_image", "workers"), tuple(resumes[:2]), tuple(resumes[2:])],
         after=after,
     )
     return {"root": root, "procs": procs}
