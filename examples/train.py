@@ -287,6 +287,22 @@ class RunSummary(L.Callback):
                 self.summary["exposed_exchange_ms"] = round(
                     float(np.median([b["exposed_exchange_ms"] for b in loader.stats])), 2
                 )
+        rebalancer = getattr(trainer.strategy, "rebalancer", None)
+        driver = self.monitor.calibration if self.monitor is not None else None
+        if rebalancer is not None:  # the model the run ended with: its own fit, online
+            final = rebalancer.cost_model or vb.CostModel()
+            self.summary["final_model"] = final.to_dict()
+            self.summary["calibration"] = (
+                None
+                if driver is None
+                else {
+                    "adopted_at_steps": [r["adopted_at_step"] for r in driver.shipped],
+                    "held_out_error": [
+                        [round(r["error_current"], 4), round(r["error_candidate"], 4)]
+                        for r in driver.shipped
+                    ],
+                }
+            )
         if self.monitor is not None:  # complete on rank 0 after the monitor's last gather
             straggler = self.monitor.summary()
             self.summary["slowest_rank"] = straggler["slowest_rank"]
@@ -301,6 +317,23 @@ class RunSummary(L.Callback):
             for step, ids in part.items():
                 steps_samples.setdefault(step, []).extend(ids)
         self.steps_samples = [sorted(v) for _, v in sorted(steps_samples.items())]
+
+
+class UnfreezeVision(L.Callback):
+    """A stage change: the example VLM's vision tower trains from optimizer step ``at`` on (its
+    backward appears). ``tell``: the documented call that tells online calibration so
+    (``strategy.cost_changed()``); otherwise calibration finds the jump in its error itself."""
+
+    def __init__(self, at: int, *, tell: bool) -> None:
+        self.at, self.tell = at, tell
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int
+    ) -> None:
+        if pl_module.vision_frozen and trainer.global_step >= self.at:
+            pl_module.vision_frozen = False
+            if self.tell and hasattr(trainer.strategy, "cost_changed"):
+                trainer.strategy.cost_changed()
 
 
 def _mean_over_ranks(values: list[float]) -> float:
@@ -332,6 +365,13 @@ def plan_waste(plan: Any, sampler: vb.PackingSampler, model: vb.CostModel, G: in
     return float(np.mean(wastes)) if wastes else 0.0
 
 
+def image_sizes(args: argparse.Namespace) -> tuple[int, int] | None:
+    """The synthetic images' smallest and largest token counts (``None``: tiles)."""
+    if args.image_sizes is None:
+        return (16, 3 * args.seq_len // 4)
+    return tuple(args.image_sizes) if any(args.image_sizes) else None
+
+
 def build_table(args: argparse.Namespace) -> LengthTable:
     if not args.data:
         return synthetic_length_table(
@@ -340,6 +380,7 @@ def build_table(args: argparse.Namespace) -> LengthTable:
             tile_tokens=args.tile_tokens,
             max_text_tokens=args.seq_len // 2,
             seed=args.seed,
+            image_sizes=image_sizes(args),
         )
     table = read_length_csv(*args.data)
     scale = args.length_scale
@@ -401,13 +442,30 @@ def fit_mode(
     )
     monitor = vb.StragglerMonitor(log_every_n_steps=10)
     summary = RunSummary(monitor, mode)
+    callbacks: list[L.Callback] = [monitor, summary]
+    if args.unfreeze_vision_at >= 0:
+        model.vision_frozen = True
+        callbacks.append(UnfreezeVision(args.unfreeze_vision_at, tell=args.tell_cost_change))
     if args.strategy in BALANCING and args.devices > 1:
         # "source": the strategy sees the balanced loader and moves nothing
         # "encoder": packs ordered over the micro-steps in the background, images balanced
         # "fsdp_vlmbalance": the example VLM shards itself (ToyVLM.configure_model)
+        calibration = (
+            None
+            if args.no_calibration
+            # the runs are short: a refit from one period's records (2 ranks x 2 micro-batches
+            # x 5 steps), where the default asks for 32
+            else vb.Calibration(every_n_steps=args.calibrate_every, min_records=16)
+        )
+        # a frozen vision tower's parameters get no gradients until it is unfrozen
+        unused = {"find_unused_parameters": True} if args.unfreeze_vision_at >= 0 else {}
         strategy: Any = BALANCING[args.strategy](
-            mode={"source": "off", "encoder": "overlap"}.get(mode, mode),
-            encoder=mode == "encoder",
+            **unused,
+            config=vb.RebalanceConfig(
+                mode={"source": "off", "encoder": "overlap"}.get(mode, mode),
+                encoder=mode == "encoder",
+                calibration=calibration,
+            ),
             cost_model=cost_model,
         )
     else:
@@ -421,7 +479,7 @@ def fit_mode(
         accumulate_grad_batches=args.accumulate,
         logger=TensorBoardLogger(folder, name="", version=version or mode),
         log_every_n_steps=5,
-        callbacks=[monitor, summary],
+        callbacks=callbacks,
         enable_checkpointing=False,
         enable_progress_bar=not args.no_progress_bar,
     )
@@ -449,10 +507,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--num-samples", type=int, default=1200)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--text-share", type=float, default=0.7)
     p.add_argument(
         "--tile-tokens", type=int, default=16, help="image tokens per tile (synthetic data)"
+    )
+    p.add_argument(
+        "--image-sizes",
+        type=int,
+        nargs=2,
+        metavar=("SMALLEST", "LARGEST"),
+        help="synthetic images of any size between, in tokens (log-uniform, 1-3 per sample;"
+        " default 16 and 3/4 of --seq-len: 16-768); 0 0: one image of 1-5 tiles of"
+        " --tile-tokens per sample",
     )
     p.add_argument(
         "--data", action="append", help="length CSV(s) in the shared format (repeatable)"
@@ -462,8 +529,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--moe-experts", type=int, default=4)
-    p.add_argument("--vision-layers", type=int, default=6)
-    p.add_argument("--vision-dim", type=int, default=384, help="0: the decoder's width")
+    p.add_argument("--vision-layers", type=int, default=3)
+    p.add_argument("--vision-dim", type=int, default=256, help="0: the decoder's width")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
     p.add_argument(
         "--read-ahead",
@@ -493,7 +560,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="compare: off, overlap, source and encoder (--rounds each, ABBA order), with a cost"
         " model fitted on the first off run's logs",
     )
-    p.add_argument("--cost-model", help="a saved CostModel (JSON) instead of the calibration")
+    p.add_argument(
+        "--cost-model", help="a saved CostModel (JSON) to start from (default: the defaults)"
+    )
+    p.add_argument(
+        "--calibrate-every",
+        type=int,
+        default=5,
+        help="optimizer steps between online refits of the cost model (the runs are short)",
+    )
+    p.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="plan with the starting model throughout (no online calibration)",
+    )
+    p.add_argument(
+        "--unfreeze-vision-at",
+        type=int,
+        default=-1,
+        metavar="STEP",
+        help="a stage change: the vision tower is frozen until this optimizer step (-1: never)",
+    )
+    p.add_argument(
+        "--tell-cost-change",
+        action="store_true",
+        help="with --unfreeze-vision-at: call strategy.cost_changed() at the change",
+    )
+    p.add_argument(
+        "--fit-on-off",
+        action="store_true",
+        help="fit a cost model offline to the first off run's monitor logs and start the"
+        " balanced modes from it (the flow before online calibration)",
+    )
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: must be at least 1")
@@ -514,7 +612,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for k, mode in order:
         run = fit_mode(args, table, mode, folder, cost_model, mode if k == 0 else f"{mode}_{k}")
         runs[mode].append(run)
-        if mode == "off" and len(modes) > 1 and cost_model is None:  # the first run: off
+        # the balanced modes calibrate themselves online; --fit-on-off gives them a model
+        # fitted offline to the first off run's logs instead (for comparison)
+        if mode == "off" and args.fit_on_off and len(modes) > 1 and cost_model is None:
             cost_model, fit_report = calibrate(run.jsonl_dir, folder / "cost_model.json")
             run.replan(cost_model)  # every mode's planned waste under the same model
     summary = report(runs, order, folder, fit_report, args)
@@ -709,12 +809,45 @@ def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
             f" {modes['off'].get('waste_frac', 0):.1%} -> {modes[best].get('waste_frac', 0):.1%}"
             " of rank-time."
         )
+    fits = [(mode, s) for mode, s in modes.items() if "final_model" in s]
+    if fits:
+        lines.append(
+            "\nEach mode's final cost model (first round; ms per pack, per image, per image token,"
+            " per squared image token, per token, per squared document token):"
+        )
+        for mode, s in fits:
+            lines.append(f"  {mode}: {_fit_line(s['final_model'], s.get('calibration'))}")
     lines.append(f"Figure (busy and vision time per rank, per mode): {summary['figure']}")
     lines.append(
         f"TensorBoard logs: {summary['log_dir']}  (tensorboard --logdir {summary['log_dir']})"
     )
     print("\n".join(lines))
     print("SUMMARY_JSON " + json.dumps(summary))
+
+
+def _fit_line(model: dict[str, Any], calibration: dict[str, Any] | None) -> str:
+    """A cost model's coefficients on one line, and when online calibration adopted it."""
+    c = model["coefficients"]
+    vision = " + ".join(
+        f"{c[phase]['image_pack']:.3g} + {c[phase]['images']:.3g}/img"
+        f" + {c[phase]['image_tokens']:.3g}/tok + {c[phase]['image_sq_tokens']:.3g}/tok²"
+        for phase in ("vision_fwd",)
+    )
+    llm = (
+        f"{c['llm_fwd']['pack']:.3g} + {c['llm_fwd']['total_tokens']:.3g}/tok"
+        f" + {c['llm_fwd']['doc_sq_tokens']:.3g}/doc tok²"
+    )
+    text = f"vision fwd {vision}; LLM fwd {llm}"
+    if calibration is None:
+        return text + " (calibration off: the starting model)"
+    steps = calibration["adopted_at_steps"]
+    if not steps:
+        return text + " (no refit adopted: the starting model)"
+    first, last = calibration["held_out_error"][0], calibration["held_out_error"][-1]
+    return (
+        f"{text} (refits adopted at steps {', '.join(map(str, steps))}; held-out error"
+        f" {first[0]:.0%} -> {first[1]:.0%} at the first, {last[1]:.0%} at the last)"
+    )
 
 
 def _busy_ms(record: dict[str, Any]) -> float:

@@ -13,6 +13,7 @@ V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,13 +189,20 @@ class LanguageModel(nn.Module):
 
 
 class ToyVLM(L.LightningModule):
-    """The example VLM. The loss is :func:`~lightning_vlmbalance.packed_cross_entropy`."""
+    """The example VLM. The loss is :func:`~lightning_vlmbalance.packed_cross_entropy`.
+
+    ``vision_frozen = True`` runs the vision encoder without gradients (a frozen tower: no
+    backward through it, its parameters get none) until set back to ``False`` (unfrozen: its
+    backward appears). Under DDP give the strategy ``find_unused_parameters=True`` for it: the
+    parameters stay registered with DDP and are synchronised again once they have gradients.
+    """
 
     def __init__(self, **config: Any) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.cfg = ToyVLMConfig(**config)
         self.vision = VisionEncoder(self.cfg)
+        self.vision_frozen = False
         width = self.cfg.vision_dim or self.cfg.dim
         self.projector = nn.Sequential(
             nn.Linear(width, self.cfg.dim), nn.GELU(), nn.Linear(self.cfg.dim, self.cfg.dim)
@@ -211,7 +219,8 @@ class ToyVLM(L.LightningModule):
             )
         # the encoder call; with encoder balancing (``RebalanceConfig(encoder=True)``) this rank
         # encodes its planned images and the pack's embeddings come back from where they ran
-        image_ID = encode_images(self.vision, batch)
+        with torch.no_grad() if self.vision_frozen else contextlib.nullcontext():
+            image_ID = encode_images(self.vision, batch)
         x_TD = self.llm.embed(input_ids_T) + self.llm.pos(position_ids_T)
         # under autocast the projector runs in bf16 while the embeddings stay float32
         image_ID = self.projector(image_ID).to(x_TD.dtype)

@@ -45,6 +45,7 @@ def synthetic_length_table(
     tile_tokens: int = 256,
     max_text_tokens: int = 2048,
     seed: int = 0,
+    image_sizes: tuple[int, int] | None = None,
 ) -> LengthTable:
     """Draws a length table shaped like a real multimodal SFT mix.
 
@@ -55,6 +56,12 @@ def synthetic_length_table(
         max_text_tokens: cap of a text-only sample (text parts of image samples scale with
             ``tile_tokens``).
         seed: generator seed.
+        image_sizes: ``(smallest, largest)`` image tokens: images of any size between, as
+            native-resolution encoders make them (Qwen2-VL: a thumbnail to a document page),
+            instead of tiles: each image sample has 1, 2 or 3 images (70%, 20%, 10%) of one
+            size, drawn log-uniformly between ``smallest`` and ``largest / images`` (a sample's
+            image tokens stay under ``largest``). Image count, image tokens and the attention
+            within each image then rank samples differently.
     """
     if num_samples < 0 or not 0.0 <= text_share <= 1.0 or tile_tokens < 1:
         raise ValueError(
@@ -62,10 +69,22 @@ def synthetic_length_table(
             f" tile_tokens={tile_tokens})`: need num_samples >= 0, text_share in [0, 1],"
             " tile_tokens >= 1"
         )
+    if image_sizes is not None and not 1 <= image_sizes[0] <= image_sizes[1] // 3:
+        raise ValueError(
+            f"`synthetic_length_table(image_sizes={image_sizes})`: need 1 <= smallest <="
+            " largest / 3 (a sample of 3 images fits under largest)"
+        )
     rng = np.random.default_rng(seed)
     is_text = rng.random(num_samples) < text_share
     tiles = rng.choice(_TILES, size=num_samples, p=_TILE_P)
     image_tokens = np.where(is_text, 0, tiles * tile_tokens)
+    images = (~is_text).astype(np.int64)
+    if image_sizes is not None:
+        count = rng.choice(np.array([1, 2, 3]), size=num_samples, p=[0.7, 0.2, 0.1])
+        lo, hi = np.log(image_sizes[0]), np.log(image_sizes[1] / count)
+        size = np.exp(lo + rng.random(num_samples) * (hi - lo)).astype(np.int64)
+        images = np.where(is_text, 0, count)
+        image_tokens = np.where(is_text, 0, count * np.maximum(size, image_sizes[0]))
     scale = tile_tokens / 256
     # text part of an image sample: ~40-400 tokens at 256 tokens per tile (log-normal)
     caption = np.clip(rng.lognormal(np.log(110), 0.7, num_samples) * scale, 2, None)
@@ -75,7 +94,7 @@ def synthetic_length_table(
     return LengthTable(
         total_tokens=total,
         image_tokens=image_tokens.astype(np.int64),
-        images=(~is_text).astype(np.int64),
+        images=images.astype(np.int64),
     )
 
 
