@@ -87,7 +87,7 @@ PARTS = (
     ),
     Part(
         "offload",
-        0.27,
+        0.24,
         "benchmarks/offload_gpu.py: none vs save_on_cpu vs ours",
         ">= 40% less activation memory at <= 5% time, faster than save_on_cpu",
     ),
@@ -108,6 +108,12 @@ PARTS = (
         0.04,
         "encode_images with a route on one GPU: the return all_to_all on NCCL (to itself)",
         "rows and gradients = plain encoder call (bf16 tol); 0 host syncs; return cost in ms",
+    ),
+    Part(
+        "collectives",
+        0.03,
+        "FSDP2 on one GPU (NCCL) with the monitor's collective_wait: CUDA events on the stream",
+        "every FSDP call timed; 0 host syncs added; phases <= the step's wall time",
     ),
 )
 PART_NAMES = tuple(p.name for p in PARTS)
@@ -755,8 +761,93 @@ def part_encoder(smoke: bool) -> dict:
     return out
 
 
+def part_collectives(smoke: bool) -> dict:
+    """The waits inside FSDP2's collectives on the GPU (``timing/collectives.py``): a small
+    model fully sharded over a 1-rank mesh (NCCL), timed by a CUDA ``StepTimer`` with
+    ``time_collectives``. One GPU cannot make a rank wait for another: this checks the code
+    path (every unshard / wait / reduce-scatter call becomes a ``collective_wait`` interval of
+    CUDA events on the compute stream, excluded from the phase around it) and that it adds no
+    host synchronisation; the waits themselves need 2 GPUs (``benchmarks/fsdp_waits.py``)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_vlmbalance.timing import StepTimer, time_collectives
+
+    cuda = torch.cuda.is_available() and not smoke
+    device = "cuda" if cuda else "cpu"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29_500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    mesh = init_device_mesh(device, (1,))
+    width, layers = (2048, 8) if cuda else (32, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model.to(device)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    timer = StepTimer(device_clock="cuda" if cuda else "cpu")
+    registered = time_collectives(timer)
+    x = torch.randn(4096 if cuda else 16, width, device=device)
+    steps = 6
+    walls = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            t0 = time.perf_counter()
+            timer.start("llm_fwd")
+            loss = model(x).square().mean()
+            timer.stop("llm_fwd")
+            timer.start("backward")
+            loss.backward()
+            timer.stop_backward()
+            timer.end_micro()
+            timer.end_step(step + 1, 0)
+            walls.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+    resolved = timer.drain()
+    time_collectives(timer, on=False)
+    dist.destroy_process_group()
+    calls = [len(r.collective_calls_ms) for r in resolved]
+    waits = [r.phases_ms["collective_wait"] for r in resolved]
+    phase_sum = [sum(r.phases_ms.values()) for r in resolved]
+    out = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "registered": registered,
+        "steps_resolved": len(resolved),
+        "calls_per_step": calls,
+        "collective_wait_ms": [round(w, 3) for w in waits],
+        "phase_sum_over_step": [
+            round(a / max(r.step_ms, 1e-9), 3) for a, r in zip(phase_sum, resolved)
+        ],
+        "host_syncs": sum("synchroniz" in str(w.message) for w in caught) if cuda else None,
+    }
+    out["goal_met"] = (
+        bool(
+            registered
+            and len(resolved) == steps
+            and min(calls) > 0
+            and out["host_syncs"] == 0
+            and max(out["phase_sum_over_step"]) <= 1.05
+        )
+        if cuda
+        else None
+    )
+    return out
+
+
 CHILD_PARTS = {"attention": part_attention, "monitor": part_monitor, "moe": part_moe,
-               "exchange": part_exchange, "encoder": part_encoder}  # fmt: skip
+               "exchange": part_exchange, "encoder": part_encoder,
+               "collectives": part_collectives}  # fmt: skip
 
 
 def _child(name: str, smoke: bool) -> None:
@@ -891,6 +982,15 @@ def _summarize(part: str, result: dict | None, smoke: bool) -> tuple[str, bool |
             f"err {_fmt(result['max_abs_err'])} (grads {_fmt(result['grad_rel_err'])})",
             f"host syncs {_fmt(result['host_syncs'])}",
             f"plain {_fmt(result['plain_ms'])} ms, routed {_fmt(result['routed_ms'])} ms",
+        ]
+        return "; ".join(cells), result.get("goal_met")
+    if part == "collectives":
+        waits = result["collective_wait_ms"]
+        cells = [
+            f"registered {result['registered']}",
+            f"calls/step {result['calls_per_step'][-1] if result['calls_per_step'] else 0}",
+            f"wait {_fmt(waits[-1] if waits else None)} ms",
+            f"host syncs {_fmt(result['host_syncs'])}",
         ]
         return "; ".join(cells), result.get("goal_met")
     return "", None

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_vlmbalance.timing.timer import ENCODER_RETURN, host_phase
+from lightning_vlmbalance.timing.timer import ENCODER_RETURN, wait_phase
 
 __all__ = [
     "ImageRoute",
@@ -134,7 +134,7 @@ class _ReturnEmbeddings(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (send_splits, recv_splits), group
         out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        with host_phase(_TIMERS, ENCODER_RETURN):
+        with wait_phase(_TIMERS, ENCODER_RETURN):
             dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
         return out
 
@@ -142,7 +142,7 @@ class _ReturnEmbeddings(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         send_splits, recv_splits = ctx.splits
         out = grad.new_empty((sum(send_splits), *grad.shape[1:]))
-        with host_phase(_TIMERS, ENCODER_RETURN):
+        with wait_phase(_TIMERS, ENCODER_RETURN):
             dist.all_to_all_single(
                 out, grad.contiguous(), send_splits, recv_splits, group=ctx.group
             )

@@ -14,9 +14,10 @@ on its group: ``unshard`` (issues the all-gather; blocking when it is not asynch
 made while a training micro-batch is timed becomes an interval of ``collective_wait``, excluded
 from the phase it interrupts (the timer's nesting). On the CPU (gloo) the calling thread blocks
 in them, so the host clock measures the wait, plus the transfer and the collective's own copies.
-On CUDA these calls only queue work and stream waits: the host time is not the wait, and the
-phase is not recorded there (the compute stream's waits would need events around FSDP's
-streams; not built yet).
+On CUDA these calls only queue work and make the compute stream wait for FSDP's all-gather and
+reduce-scatter streams: the timer's CUDA events, recorded on the compute stream before and after
+each call, measure how long that stream stalled (plus the copy-out kernels queued there), read
+later without a host synchronisation. The CUDA path has not run on a GPU yet.
 
 The wrap is installed while at least one timer is registered and removed with the last one.
 """
@@ -28,7 +29,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from lightning_vlmbalance.timing.timer import COLLECTIVE_WAIT, host_phase
+from lightning_vlmbalance.timing.timer import COLLECTIVE_WAIT, wait_phase
 
 __all__ = ["time_collectives"]
 
@@ -42,16 +43,15 @@ _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 def time_collectives(timer: Any, *, on: bool = True) -> bool:
     """Times FSDP2's collectives as ``collective_wait`` of ``timer`` (a
-    :class:`~lightning_vlmbalance.timing.StepTimer` with a host clock; a CUDA timer is not
-    registered), or stops that with ``on=False``. Returns whether ``timer`` is registered now.
+    :class:`~lightning_vlmbalance.timing.StepTimer`: host clock on the CPU, CUDA events on the
+    compute stream on a GPU), or stops that with ``on=False``. Returns whether ``timer`` is
+    registered now.
     """
     if not on:
         if timer in _TIMERS:
             _TIMERS.remove(timer)
         if not _TIMERS:
             _unpatch()
-        return False
-    if timer.device.device:  # a device clock: FSDP's host calls do not measure its waits
         return False
     if timer not in _TIMERS:
         if not _patch():
@@ -99,7 +99,7 @@ def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _TIMERS:
             return original(self, *args, **kwargs)
-        with host_phase(_TIMERS, COLLECTIVE_WAIT):
+        with wait_phase(_TIMERS, COLLECTIVE_WAIT):
             return original(self, *args, **kwargs)
 
     return timed

@@ -69,7 +69,7 @@ __all__ = [
     "WAIT_PHASES",
     "ResolvedStep",
     "StepTimer",
-    "host_phase",
+    "wait_phase",
 ]
 
 # The phases the monitor measures per micro-batch (the modelled ones, which the cost model
@@ -360,13 +360,16 @@ class StepTimer:
 
 
 @contextlib.contextmanager
-def host_phase(timers: Iterable[StepTimer], phase: str) -> Iterator[None]:
-    """Times the block as ``phase`` (host clock) on each of ``timers`` that is inside a
-    training micro-batch (:attr:`StepTimer.in_micro_batch`): work that interrupts the phases
-    around it, such as a wait inside a collective, and is excluded from them."""
+def wait_phase(timers: Iterable[StepTimer], phase: str) -> Iterator[None]:
+    """Times the block as ``phase`` on each of ``timers`` that is inside a training micro-batch
+    (:attr:`StepTimer.in_micro_batch`): a wait inside a collective, which interrupts the phases
+    around it and is excluded from them. Each timer uses its own clock: the host clock on the
+    CPU (gloo blocks the calling thread there), and on CUDA events on the current stream
+    (the compute stream), which measure how long that stream stalls on the collective's
+    stream, without a host synchronisation."""
     active = [t for t in timers if t.in_micro_batch]
     for t in active:
-        t.start(phase, host=True)
+        t.start(phase)
     try:
         yield
     finally:

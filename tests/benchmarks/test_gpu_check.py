@@ -16,7 +16,7 @@ import pytest
 from harness.jobs import result_of
 from tests.benchmarks.scripts import load
 
-PARTS = ["pytest", "attention", "monitor", "offload", "moe", "exchange", "encoder"]
+PARTS = ["pytest", "attention", "monitor", "offload", "moe", "exchange", "encoder", "collectives"]
 
 
 def _smoke_argv(out: Path) -> list[str]:
@@ -85,6 +85,11 @@ def test_smoke_run_reports_every_part(smoke_runs) -> None:
     encoder = parts["encoder"]["result"]  # the return's all_to_all on a 1-rank gloo group
     assert encoder["backend"] == "gloo" and encoder["images"] == 3
     assert encoder["max_abs_err"] <= 1e-5 and encoder["grad_rel_err"] <= 1e-5
+
+    collectives = parts["collectives"]["result"]  # FSDP2 on a 1-rank gloo mesh, host clock
+    assert collectives["registered"] and collectives["steps_resolved"] == 6
+    assert min(collectives["calls_per_step"]) > 0  # every unshard / reduce-scatter is timed
+    assert all(x <= 1.05 for x in collectives["phase_sum_over_step"])
 
     # the table comes before the JSON, one row per part; --out holds the same report
     lines = run.proc.stdout.splitlines()

@@ -222,3 +222,43 @@ def test_a_pause_inside_a_micro_batch_ends_with_it(clock) -> None:
     timer.end_step(2, 0)
     (step,) = timer.drain()
     assert step.outside_step_ms == 0 and step.step_ms == pytest.approx(10.0)
+
+
+class _DeviceClock:
+    """A device clock (as CUDA events are) that reads the fake host clock: not the HOST object,
+    so only phases timed with the device clock nest in one another."""
+
+    device = True
+
+    @staticmethod
+    def mark() -> float:
+        return timer_mod.time.perf_counter()
+
+    @staticmethod
+    def ready(mark: float) -> bool:
+        return True
+
+    @staticmethod
+    def elapsed_ms(a: float, b: float) -> float:
+        return (b - a) * 1e3
+
+
+def test_a_wait_inside_a_collective_uses_the_timers_own_clock(clock) -> None:
+    """``wait_phase`` (FSDP's collectives, the encoder's return) times with each timer's clock:
+    on CUDA the compute stream's events, excluded from the device phase it interrupts, with no
+    host interval (the host time of a queued collective is not its wait)."""
+    from lightning_vlmbalance.timing.timer import COLLECTIVE_WAIT, wait_phase
+
+    timer = StepTimer()
+    timer.device = _DeviceClock()
+    timer.start("backward")
+    clock.sleep(0.01)
+    with wait_phase([timer], COLLECTIVE_WAIT):
+        clock.sleep(0.02)
+    clock.sleep(0.005)
+    timer.stop_backward()
+    timer.end_step(1, 0)
+    (step,) = timer.drain()
+    assert step.phases_ms["collective_wait"] == pytest.approx(20.0)
+    assert step.phases_ms["backward"] == pytest.approx(15.0)
+    assert step.collective_calls_ms == pytest.approx([20.0])
