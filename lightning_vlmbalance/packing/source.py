@@ -27,6 +27,7 @@ the length table and the settings: every rank computes the same plan.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -358,7 +359,7 @@ def _check_schedule(schedule: Sequence[tuple[int, CostModel]]) -> list[tuple[int
     """``[(first global batch, model), ...]`` from batch 0 on, first batches increasing."""
     out = [(int(start), model) for start, model in schedule]
     starts = [start for start, _ in out]
-    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+    if starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
         raise ValueError(
             f"a cost-model schedule starts at global batch 0 and increases; got first batches"
             f" {starts}"
