@@ -46,6 +46,7 @@ def synthetic_length_table(
     max_text_tokens: int = 2048,
     seed: int = 0,
     image_sizes: tuple[int, int] | None = None,
+    text_scale: float | None = None,
 ) -> LengthTable:
     """Draws a length table shaped like a real multimodal SFT mix.
 
@@ -60,8 +61,14 @@ def synthetic_length_table(
             native-resolution encoders make them (Qwen2-VL: a thumbnail to a document page),
             instead of tiles: each image sample has 1, 2 or 3 images (70%, 20%, 10%) of one
             size, drawn log-uniformly between ``smallest`` and ``largest / images`` (a sample's
-            image tokens stay under ``largest``). Image count, image tokens and the attention
-            within each image then rank samples differently.
+            image tokens stay under ``largest``; their text under ``max_text_tokens / 2``).
+            Image count, image tokens and the attention within each image then rank samples
+            differently.
+        text_scale: the text lengths over the real ones (captions of ~110 tokens, chats of
+            ~700); default ``tile_tokens / 256``, the scale of the tiles. With ``image_sizes``
+            of real size give 1: text and images then keep their real proportions, and a
+            long text-only chat is heavy for the language model's attention and free for the
+            vision encoder.
     """
     if num_samples < 0 or not 0.0 <= text_share <= 1.0 or tile_tokens < 1:
         raise ValueError(
@@ -85,9 +92,11 @@ def synthetic_length_table(
         size = np.exp(lo + rng.random(num_samples) * (hi - lo)).astype(np.int64)
         images = np.where(is_text, 0, count)
         image_tokens = np.where(is_text, 0, count * np.maximum(size, image_sizes[0]))
-    scale = tile_tokens / 256
+    scale = tile_tokens / 256 if text_scale is None else float(text_scale)
     # text part of an image sample: ~40-400 tokens at 256 tokens per tile (log-normal)
     caption = np.clip(rng.lognormal(np.log(110), 0.7, num_samples) * scale, 2, None)
+    if image_sizes is not None:  # a sample of the largest images still fits largest + text cap
+        caption = np.minimum(caption, max(2, max_text_tokens // 2))
     # a text-only sample: log-normal around a few hundred tokens, capped
     chat = np.clip(rng.lognormal(np.log(700), 0.9, num_samples) * scale, 8, max_text_tokens)
     total = np.where(is_text, chat, image_tokens + caption).astype(np.int64)

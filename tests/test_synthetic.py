@@ -25,6 +25,13 @@ def test_varied_images_span_the_range_and_rank_samples_differently_by_each_featu
     assert corr[0, 1] < 0.5 and corr[0, 2] < 0.3  # the count says little of the work
     tiles = synthetic_length_table(4000, text_share=0.5, tile_tokens=16)
     assert set(np.unique(tiles.images[tiles.images > 0])) == {1}
+    # text at the real scale (chats of ~700 tokens) instead of the tiles' (16/256 of it)
+    real = synthetic_length_table(
+        4000, text_share=0.5, tile_tokens=16, image_sizes=(16, 768), text_scale=1.0
+    )
+    text = real.images == 0
+    assert np.median(real.total_tokens[text]) > 8 * np.median(t.total_tokens[t.images == 0])
+    assert (real.total_tokens - real.image_tokens).max() <= 2048  # capped: max_text_tokens
 
 
 def test_the_dataset_lays_out_each_image_of_its_size() -> None:

@@ -268,8 +268,11 @@ class CostModel:
         order ``pack``, ``image_pack``, ``total_tokens``, ``image_tokens``, ``images``,
         ``doc_sq_tokens``, ``image_sq_tokens``; e.g. ``images`` and ``image_sq_tokens`` when
         every image has the same size as every other) keeps its current coefficient (the
-        prior), and the others are fitted to the times minus the kept terms' share. The
-        report's ``determined`` and ``kept`` name them.
+        prior), and the others are fitted to the times minus the kept terms' share; unless the
+        records contradict the prior: a term that fits them clearly better (1% lower error) at
+        0 is set to 0 and counts as determined (a frozen vision tower's backward, where every
+        pack has an image and ``image_pack`` is ``pack``). The report's ``determined`` and
+        ``kept`` name them.
 
         Returns:
             The :class:`FitReport` (errors of the fitted model on the same records).
@@ -329,6 +332,16 @@ class CostModel:
             # the kept terms' share at their prior; the determined terms fit the rest
             rest = y - A[:, ~live] @ prior[~live]
             coef[live] = _scaled_nnls(A[:, live], rest, weight_of=y)
+            # a kept term in the span of the others whose prior the records contradict (the
+            # determined terms cannot take its share back: they cannot go negative, as when a
+            # frozen vision tower has no backward) is set to 0 where that fits clearly better
+            contradicted = ~live & (np.abs(A).sum(axis=0) > 0) & (prior > 0)
+            if contradicted.any():
+                zero = np.where(contradicted, 0.0, prior)
+                other = zero.copy()
+                other[live] = _scaled_nnls(A[:, live], y - A[:, ~live] @ zero[~live], weight_of=y)
+                if _relative_sse(A, y, other) < 0.99 * _relative_sse(A, y, coef):
+                    coef, live = other, live | contradicted
             for (phase, term), value in zip(pairs, coef):
                 new[phase][term] = float(value)
             fitted.append(measured)
@@ -374,7 +387,9 @@ class CostModel:
     # -- persistence ------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": _FORMAT_VERSION, "unit": "ms", "coefficients": self.coefficients}
+        """The model as JSON-ready data (a copy: changing it leaves the model as it is)."""
+        coefficients = {phase: dict(terms) for phase, terms in self.coefficients.items()}
+        return {"version": _FORMAT_VERSION, "unit": "ms", "coefficients": coefficients}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
@@ -449,6 +464,12 @@ def _errors(y: np.ndarray, p: np.ndarray) -> tuple[float, float]:
     ss_res = float(np.sum((y - p) ** 2))
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     return mape, (1.0 - ss_res / ss_tot) if ss_tot > 0 else float("nan")
+
+
+def _relative_sse(A: np.ndarray, y: np.ndarray, coef: np.ndarray) -> float:
+    """The sum of squared relative errors of ``A @ coef`` against ``y`` (``_scaled_nnls``'s)."""
+    scale = np.where(y > 0, y, np.median(y[y > 0]) if (y > 0).any() else 1.0)
+    return float((((A @ coef) - y) / scale) @ (((A @ coef) - y) / scale))
 
 
 def _scaled_nnls(A: np.ndarray, y: np.ndarray, weight_of: np.ndarray | None = None) -> np.ndarray:

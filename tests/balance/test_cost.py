@@ -130,6 +130,10 @@ def test_save_load_round_trip(tmp_path) -> None:
     loaded = CostModel.load(tmp_path / "cost.json")
     assert loaded.coefficients == model.coefficients
     assert loaded.coefficients["vision_fwd"]["image_tokens"] == 0.28  # defaults fill the rest
+    # the dict is a copy: changing it (say to derive another model) leaves the model as it is
+    data = model.to_dict()
+    data["coefficients"]["llm_fwd"]["total_tokens"] = 9.0
+    assert model.coefficients["llm_fwd"]["total_tokens"] == 0.05
 
 
 @pytest.mark.parametrize(
@@ -381,3 +385,21 @@ def test_per_sample_costs_sum_to_the_pack_cost() -> None:
         has_image = packs.tokens(images) > 0
         got = packs.tokens(cost) + pack + np.where(has_image, image_pack, 0.0)
         np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+def test_a_prior_the_records_contradict_is_set_to_zero() -> None:
+    """A frozen vision tower: no vision backward, and every pack has an image, so the vision
+    backward's fixed cost (``image_pack``) is ``pack`` again and the records cannot tell them
+    apart. Kept at its prior (120 ms) the model predicted every backward 120 ms too slow (the
+    LLM terms cannot go negative to take it back: backward MAPE 100%+); the records contradict
+    that prior, so it is set to 0 and the backward is predicted as measured."""
+    rng = np.random.default_rng(2)
+    n = 400
+    feats = _image_features(rng.integers(1, 6, n), rng.integers(64, 1800, n), rng)
+    zero = {t: 0.0 for t in CostModel().coefficients["vision_bwd"]}
+    truth = CostModel(coefficients={"vision_bwd": zero})  # frozen: no vision backward
+    model = CostModel()  # the defaults: vision_bwd.image_pack = 120 ms
+    report = model.fit(_timed(feats, truth))
+    assert model.coefficients["vision_bwd"]["image_pack"] == 0.0
+    assert "image_pack" in report.determined["backward_ms"]
+    assert report.mape["backward_ms"] < 0.01, report
