@@ -221,40 +221,6 @@ def test_user_comm_hook_stays_off_on_cpu(quick_runs) -> None:
     _quick(quick_runs, "user_hook")  # --user-hook --max-steps 3 --delay-ms 0: exit 0
 
 
-def test_online_calibration_adopts_the_same_model_on_every_rank_and_survives_a_resume(
-    tmp_path: Path,
-) -> None:
-    """``"vlmbalance"`` started from a cost model that is wrong by orders of magnitude (vision
-    x0.05, LLM x20), refitting every 5 steps from the monitor's timings: rank 0's refits are
-    adopted by both ranks at the same optimizer steps, identically, and both training loaders
-    plan with the same model in the end. A checkpoint holds the model in use; a resume starts
-    planning with it on every rank."""
-    _run(
-        tmp_path,
-        *("--strategy", "vlmbalance", "--mode", "overlap", "--wrong-model"),
-        *("--calibrate-every", "5", "--accumulate", "2", "--max-steps", "20", "--delay-ms", "0"),
-        *("--checkpoint-every", "10", "--then-resume-from", "10"),
-    )
-    first = [json.loads((tmp_path / f"calibration_rank{r}.json").read_text()) for r in (0, 1)]
-    assert first[0]["shipped"] == first[1]["shipped"] and first[0]["shipped"]
-    adopted = first[0]["shipped"][0]
-    assert adopted["accepted"] and adopted["error_candidate"] < adopted["error_current"]
-    assert adopted["error_current"] > 10  # the wrong model was off by more than 1,000%
-    assert first[0]["loader_model"] == first[1]["loader_model"]
-    assert first[0]["version"] == first[1]["version"] == len(first[0]["shipped"])
-    wrong = _scaled(vb.CostModel().to_dict(), 0.05, 20.0)
-    assert first[0]["loader_model"]["coefficients"] != wrong["coefficients"]
-    # the checkpoint at step 10 holds the model in use; the resumed fit plans with it
-    state = torch.load(tmp_path / "ckpt" / "step=10.ckpt", weights_only=False)
-    saved = state["callbacks"]["StragglerMonitor"]["calibration"]
-    assert saved["version"] >= 1
-    for r in (0, 1):
-        resumed = json.loads((tmp_path / f"calibration_resumed_rank{r}.json").read_text())
-        assert resumed["start_model"] == saved["model"]
-    tags = set(_events(tmp_path).Tags()["scalars"])
-    assert {"calibration/version", "calibration/mape_total_ms", "calibration/accepted"} <= tags
-
-
 def _find(state: object, key: str) -> object:
     """The first value under ``key`` anywhere in a checkpoint's nested dicts and lists."""
     if isinstance(state, dict):
@@ -269,12 +235,17 @@ def _find(state: object, key: str) -> object:
     return None
 
 
-def test_online_calibration_re_plans_a_source_balanced_epoch_on_every_rank(tmp_path) -> None:
-    """Balanced at the source from the wrong model, refitting every 5 steps: an adopted model
-    re-plans the rest of the epoch on both ranks at the same global batch (no rank had read it),
-    no sample is trained twice, and Lightning trains the epoch's new length. A resume from step
-    10 restores the models by batch from the loader's state: the same packs as the first run
-    until either run adopts a model the checkpoint did not have."""
+def test_online_calibration_adopts_one_model_on_every_rank_and_re_plans_the_source(
+    tmp_path,
+) -> None:
+    """``"vlmbalance"`` balanced at the source, started from a cost model that is wrong by orders
+    of magnitude (vision x0.05, LLM x20), refitting every 5 steps from the monitor's timings:
+    rank 0's refits are adopted by both ranks at the same optimizer steps, identically, and both
+    training loaders plan with the same model in the end. An adopted model re-plans the rest of
+    the epoch on both ranks at the same global batch (no rank had read it), no sample is trained
+    twice, and Lightning trains the epoch's new length. A checkpoint holds the model in use and
+    the loader's models by batch: a resume from step 10 starts planning with the model, and
+    trains the first run's packs until either run adopts a model the checkpoint did not have."""
     _run(
         tmp_path,
         *("--strategy", "vlmbalance", "--source", "--wrong-model"),
@@ -284,13 +255,28 @@ def test_online_calibration_re_plans_a_source_balanced_epoch_on_every_rank(tmp_p
     )
     first = [json.loads((tmp_path / f"calibration_rank{r}.json").read_text()) for r in (0, 1)]
     assert first[0]["shipped"] == first[1]["shipped"] and first[0]["shipped"]
+    adopted = first[0]["shipped"][0]
+    assert adopted["accepted"] and adopted["error_candidate"] < adopted["error_current"]
+    assert adopted["error_current"] > 10  # the wrong model was off by more than 1,000%
+    assert first[0]["loader_model"] == first[1]["loader_model"]
+    assert first[0]["version"] == first[1]["version"] == len(first[0]["shipped"])
+    wrong = _scaled(vb.CostModel().to_dict(), 0.05, 20.0)
+    assert first[0]["loader_model"]["coefficients"] != wrong["coefficients"]
     switches = first[0]["switches"]
     assert switches == first[1]["switches"] and len(switches) > 1  # the sampler re-planned
     for r in (0, 1):  # the whole epoch, re-planned length included, and nothing twice
         assert len(first[r]["seen"]) == first[r]["epoch_packs"]
     trained = sorted(s for r in (0, 1) for ids in first[r]["seen"] for s in ids)
     assert trained == list(range(600))  # every sample exactly once in the re-planned epoch
+    tags = set(_events(tmp_path).Tags()["scalars"])
+    assert {"calibration/version", "calibration/mape_total_ms", "calibration/accepted"} <= tags
+    # the checkpoint at step 10 holds the model in use; the resumed fit plans with it
     state = torch.load(tmp_path / "ckpt" / "step=10.ckpt", weights_only=False)
+    calibration = state["callbacks"]["StragglerMonitor"]["calibration"]
+    assert calibration["version"] >= 1
+    for r in (0, 1):
+        resumed = json.loads((tmp_path / f"calibration_resumed_rank{r}.json").read_text())
+        assert resumed["start_model"] == calibration["model"]
     saved = [b for b, _ in _find(state, "cost_schedule")]
     assert len(saved) > 1  # the checkpoint holds a re-planned epoch
     for r in (0, 1):
