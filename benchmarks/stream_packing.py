@@ -25,13 +25,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import add_json_flag, print_json, stamp  # noqa: E402
-from packing import DEFAULT_FILES, SHARED_DATA  # noqa: E402
+from common import add_json_flag, print_json, stamp
+from packing import DEFAULT_FILES, SHARED_DATA
 
-import lightning_vlmbalance as vb  # noqa: E402
-from lightning_vlmbalance.packing.binpack import packing_efficiency  # noqa: E402
-from lightning_vlmbalance.packing.stream import pack_stream  # noqa: E402
-from lightning_vlmbalance.synthetic import (  # noqa: E402
+import lightning_vlmbalance as vb
+from lightning_vlmbalance.packing.binpack import packing_efficiency
+from lightning_vlmbalance.packing.stream import pack_stream
+from lightning_vlmbalance.synthetic import (
     LengthTable,
     read_length_csv,
     resample_text_share,
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
         **stamp("numpy"),
         "benchmark": "stream_packing",
         "source": source,
-        "samples": int(len(lengths)),
+        "samples": len(lengths),
         "skipped_overlong": int((~keep).sum()),
         "seq_len": args.seq_len,
         "text_share": args.text_share,
