@@ -267,7 +267,7 @@ class Rebalancer:
         if self.loader is None:
             return None
         packed = self._packed_loader()
-        if packed is not None and packed.sampler.balanced:
+        if packed is not None:  # re-plans a source-balanced epoch (others: nothing to do)
             packed.adopt_cost_model(model, after=sampler_after)
         trained = max(0, global_step - self._wrapped_at_step)  # global batches of this loader
         from_batch = trained + _PLANNED_AHEAD + 1
@@ -282,9 +282,7 @@ class Rebalancer:
         """How far a source-balanced sampler's packs of this epoch have been read on this rank
         (:meth:`PackedDataLoader.read_position`); ``None`` without one."""
         packed = self._packed_loader()
-        if packed is None or not packed.sampler.balanced:
-            return None
-        return packed.read_position()
+        return packed.read_position() if packed is not None and packed.sampler.balanced else None
 
     def log_stats(self) -> None:
         """Logs the ``balance/*`` metrics of the last global batch, once per global batch."""

@@ -466,10 +466,16 @@ def _errors(y: np.ndarray, p: np.ndarray) -> tuple[float, float]:
     return mape, (1.0 - ss_res / ss_tot) if ss_tot > 0 else float("nan")
 
 
+def _row_scale(t: np.ndarray) -> np.ndarray:
+    """What each record's error is relative to: its measured time (a record measuring 0 ms:
+    the median time)."""
+    return np.where(t > 0, t, np.median(t[t > 0]) if (t > 0).any() else 1.0)
+
+
 def _relative_sse(A: np.ndarray, y: np.ndarray, coef: np.ndarray) -> float:
     """The sum of squared relative errors of ``A @ coef`` against ``y`` (``_scaled_nnls``'s)."""
-    scale = np.where(y > 0, y, np.median(y[y > 0]) if (y > 0).any() else 1.0)
-    return float((((A @ coef) - y) / scale) @ (((A @ coef) - y) / scale))
+    r = (A @ coef - y) / _row_scale(y)
+    return float(r @ r)
 
 
 def _scaled_nnls(A: np.ndarray, y: np.ndarray, weight_of: np.ndarray | None = None) -> np.ndarray:
@@ -480,8 +486,7 @@ def _scaled_nnls(A: np.ndarray, y: np.ndarray, weight_of: np.ndarray | None = No
     span ~10 orders of magnitude and are scaled to unit norm. All-zero columns get a zero
     coefficient.
     """
-    t = y if weight_of is None else weight_of
-    weight = 1.0 / np.where(t > 0, t, np.median(t[t > 0]) if (t > 0).any() else 1.0)
+    weight = 1.0 / _row_scale(y if weight_of is None else weight_of)
     A = A * weight[:, None]
     y = y * weight
     norms = np.linalg.norm(A, axis=0)
@@ -512,8 +517,7 @@ def _determined_columns(A: np.ndarray, y: np.ndarray, names: list[str]) -> np.nd
     """Which columns of ``A`` the records determine: a greedy pivoted Gram-Schmidt in
     ``_FIT_ORDER`` on the columns as :func:`_scaled_nnls` weights and scales them; a column
     (nearly) in the span of those taken before it is not determined."""
-    weight = 1.0 / np.where(y > 0, y, np.median(y[y > 0]) if (y > 0).any() else 1.0)
-    W = A * weight[:, None]
+    W = A / _row_scale(y)[:, None]
     norms = np.linalg.norm(W, axis=0)
     live = np.zeros(A.shape[1], dtype=bool)
     basis: list[np.ndarray] = []

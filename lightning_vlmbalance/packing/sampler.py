@@ -258,10 +258,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             return False
         from_batch = max(0, int(from_batch))
         kept = [(b, m) for b, m in schedule if b < from_batch]
-        changed = [*kept, (from_batch, model)]
-        if kept and kept[-1][1].to_dict() == model.to_dict():
-            changed = kept
-        if [(b, m.to_dict()) for b, m in changed] == [(b, m.to_dict()) for b, m in schedule]:
+        changed = kept if kept and kept[-1][1] == model else [*kept, (from_batch, model)]
+        if changed == schedule:
             return False
         self._schedule = (epoch, changed)
         self._plans.pop(epoch, None)
@@ -323,13 +321,9 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         return plan
 
     def _settings(self, epoch: int) -> tuple:
-        models = (
-            ()
-            if self.source_balance is None
-            else tuple(
-                (b, json.dumps(m.to_dict(), sort_keys=True)) for b, m in self.cost_schedule(epoch)
-            )
-        )
+        # the epoch's cost models (CostModel compares by value): an ahead plan of other models
+        # is planned again
+        models = () if self.source_balance is None else tuple(self.cost_schedule(epoch))
         return (epoch, self.num_replicas, self.micro_steps, self.objective, models)
 
     def _build(self, settings: tuple) -> EpochPlan:
@@ -351,7 +345,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             epoch=epoch,
             # no trainer told how the ranks meet: once per step
             balance=self.source_balance.resolved(micro_steps=micro_steps, objective=objective),
-            schedule=[(b, CostModel.from_dict(json.loads(m))) for b, m in models],
+            schedule=list(models),
         )
 
     def _plan_ahead(self, epoch: int) -> None:
