@@ -69,6 +69,7 @@ from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.loader import RebalancingLoader
 from lightning_vlmbalance.packing.sampler import PackedDataLoader
+from lightning_vlmbalance.packing.streaming import PackedStreamLoader
 from lightning_vlmbalance.parallel import data_parallel_world
 
 __all__ = ["FSDPVLMBalanceStrategy", "Rebalancer", "VLMBalanceStrategy"]
@@ -216,9 +217,9 @@ class Rebalancer:
                     " step; make them equal (or return the plain loader)"
                 )
             dataloader = dataloader.loader
-        if isinstance(dataloader, PackedDataLoader):
-            # it needs the trainer for each epoch's length and overfit_batches; the
-            # RebalancingLoader made below weighs the steps (it tells the loader so)
+        if isinstance(dataloader, PackedDataLoader | PackedStreamLoader):
+            # it needs the trainer for each epoch's length, its optimizer steps and
+            # overfit_batches; the RebalancingLoader made below weighs the steps (it says so)
             dataloader.trainer = trainer
         sampler = getattr(dataloader, "sampler", None)
         # balanced at the source: the sampler formed and placed every global batch already, so
@@ -402,7 +403,7 @@ class _WorkersIgnoreSigterm:
         or a ``PackedDataLoader``, alone or inside the strategy's ``RebalancingLoader``), once,
         Lightning's seeding added first; any other iterable has no workers to reach."""
         inner = dataloader.loader if isinstance(dataloader, RebalancingLoader) else dataloader
-        if not isinstance(inner, DataLoader | PackedDataLoader):
+        if not isinstance(inner, DataLoader | PackedDataLoader | PackedStreamLoader):
             return
         if isinstance(inner.worker_init_fn, cls):
             return

@@ -56,7 +56,6 @@ from lightning_vlmbalance.balance.exchange import (
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import optimizer_steps, weigh_step
 from lightning_vlmbalance.packing.collate import cat_padded
-from lightning_vlmbalance.packing.sampler import PackedDataLoader
 
 __all__ = ["MODES", "RebalancingLoader", "ResumablePackSource"]
 
@@ -239,8 +238,9 @@ class RebalancingLoader:
         config = config if config is not None else RebalanceConfig(**options)
         self.config = config.resolved(sync_every_micro_batch=True)
         self.loader = loader
-        if isinstance(loader, PackedDataLoader):
-            loader.weighed_by(self)  # this loader weighs every step: the inner one must not
+        weighed_by = getattr(loader, "weighed_by", None)
+        if callable(weighed_by):  # a loader of this package that weighs steps itself otherwise
+            weighed_by(self)  # this loader weighs every step: the inner one must not
         self.micro_steps = micro_steps
         self.world_size = world_size
         self.rank = rank
@@ -678,6 +678,10 @@ class _ResumableRebalancingLoader(RebalancingLoader):
         source: ResumablePackSource = self.loader  # type: ignore[assignment]
         if self._pass_start is None:
             return source.state_dict()
+        if self.epoch_position is not None:
+            # the training loop's own count: it fetches one batch ahead of a loader without a
+            # length (a streamed one), which this loader has yielded but nobody trained
+            return source.state_at(int(self.epoch_position()))
         return source.state_at(self._pass_start + self._yielded)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

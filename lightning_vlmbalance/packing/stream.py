@@ -18,12 +18,38 @@ shuffled order on the shared mixes).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from lightning_vlmbalance.packing.binpack import _pack_window
 
-__all__ = ["pack_stream"]
+__all__ = ["WindowState", "pack_stream", "pack_stream_windows"]
+
+
+@dataclass(frozen=True)
+class WindowState:
+    """Where the packer of a stream stands at the start of a window: what resumes it there.
+
+    Attributes:
+        read: stream positions read into earlier windows (the window's new samples start here).
+        carry: ``(position, tokens)`` of the samples carried into this window, in order.
+        packs_before: packs emitted before this window.
+    """
+
+    read: int = 0
+    carry: tuple[tuple[int, int], ...] = ()
+    packs_before: int = 0
+
+    def to_list(self) -> list[Any]:
+        """A plain form for a checkpoint (ints and lists)."""
+        return [self.read, [list(c) for c in self.carry], self.packs_before]
+
+    @classmethod
+    def from_list(cls, state: list[Any]) -> WindowState:
+        read, carry, before = state
+        return cls(int(read), tuple((int(p), int(n)) for p, n in carry), int(before))
 
 
 def pack_stream(
@@ -47,18 +73,41 @@ def pack_stream(
     Raises:
         ValueError: naming the position of a length out of ``[1, seq_len]``, or a bad argument.
     """
+    for _, packs in pack_stream_windows(lengths, seq_len, buffer=buffer, min_fill=min_fill):
+        yield from packs
+
+
+def pack_stream_windows(
+    lengths: Iterable[int],
+    seq_len: int,
+    *,
+    buffer: int = 4096,
+    min_fill: float = 0.98,
+    start: WindowState | None = None,
+) -> Iterator[tuple[WindowState, list[np.ndarray]]]:
+    """:func:`pack_stream` window by window, resumable at any window's start.
+
+    Yields ``(state, packs)`` per window: ``state`` is where the packer stood when the window
+    began (give it back as ``start``, with ``lengths`` from stream position ``state.read`` on,
+    and the packs from that window on are the same), ``packs`` the window's packs in order.
+    The packs of a window hold its new samples and the samples carried into it, which the
+    previous window read: to rebuild a window's packs a reader needs the stream from the
+    previous window's ``state.read``.
+    """
     if buffer < 1:
         raise ValueError(f"`pack_stream(buffer={buffer!r})` must be >= 1")
     if not 0.0 <= min_fill <= 1.0:
         raise ValueError(f"`pack_stream(min_fill={min_fill!r})` must be in [0, 1]")
     if seq_len < 1:
         raise ValueError(f"`pack_stream(seq_len={seq_len!r})` must be >= 1")
+    state = start or WindowState()
     limit = min_fill * seq_len
     source = iter(lengths)
     ahead: list[int] = []  # one sample read ahead: a window knows whether the stream ended
-    read = 0  # stream positions read so far
-    carry: list[int] = []  # positions carried into this window (carried once: never again)
-    carry_len: list[int] = []
+    read = state.read  # stream positions read so far
+    carry = [p for p, _ in state.carry]  # positions carried into this window (never again)
+    carry_len = [n for _, n in state.carry]
+    emitted = state.packs_before
 
     def checked(length: object, position: int) -> int:
         value = int(length)  # type: ignore[call-overload]
@@ -70,6 +119,7 @@ def pack_stream(
         return value
 
     while True:
+        state = WindowState(read, tuple(zip(carry, carry_len)), emitted)
         new_len = ahead
         for length in source:
             new_len.append(checked(length, read + len(new_len)))
@@ -85,13 +135,16 @@ def pack_stream(
         carried = set(carry)
         packs, fills = _pack_window(window_len, seq_len)
         carry, carry_len = [], []
+        out: list[np.ndarray] = []
         for local, fill in zip(packs, fills):
             pack = [positions[i] for i in local]
             if fill < limit and not last and not carried.intersection(pack):
                 carry.extend(pack)
                 carry_len.extend(window_len[i] for i in local)
                 continue
-            yield np.asarray(pack, dtype=np.int64)
+            out.append(np.asarray(pack, dtype=np.int64))
+        emitted += len(out)
+        yield state, out
         if last:
             return
 

@@ -1,0 +1,680 @@
+"""``PackedStreamLoader``: packed batches from a streamed dataset, equal steps on every rank.
+
+A streamed dataset (Hugging Face ``datasets`` in streaming mode, LitData's ``StreamingDataset``,
+WebDataset shards, any ``IterableDataset``) is read in order, without random access and without a
+length table of the whole epoch. This loader takes this rank's iterable of records (the source
+shards itself across ranks and, inside each ``DataLoader`` worker, across workers: each worker's
+share is one *stream*), and in each worker:
+
+1. measures each record with ``lengths(record)`` (a cheap function: the token count, the image
+   tokens from the image's size; no decoding, no pass ahead of training);
+2. packs the stream one bounded window at a time with the package's greedy packer
+   (:func:`~lightning_vlmbalance.packing.stream.pack_stream_windows`: whole samples, images never
+   cut, ``buffer`` new samples per window);
+3. decodes the records of each pack (``transform(record)`` gives the sample dict of
+   :mod:`~lightning_vlmbalance.packing.collate`) and collates the pack into a ``PackedBatch``.
+
+The main process takes the workers' packs in a fixed round-robin order (so a resumed pass
+continues the same order) and hands them out a global batch at a time (``micro_steps`` packs:
+one optimizer step). **Equal steps, no hang**: before a global batch is handed out, the ranks
+exchange how many packs each has for it (one all-gather of three integers per global batch on a
+process group of the loader's own, started one global batch ahead so it does not wait on the
+step path; nothing per micro-batch). A rank whose stream has ended fills its share with padding
+packs (no tokens to learn, weight 0), so every sample of a finite stream is trained once in the
+epoch, on some rank, and the ranks stop together at the first global batch for which no rank has
+a pack. A rank whose source yields nothing at all in an epoch ends the epoch on every rank, with
+a warning that names it (the other ranks' data of that epoch is left untrained and counted).
+
+**Exact resume**: the checkpoint holds, per stream, how many packs were handed out and where the
+packer stood a window before the last of them (:class:`~lightning_vlmbalance.packing.stream.
+WindowState`: stream positions and lengths, never pixels). A resumed worker reads its stream from
+that position again, re-packs (the packer is deterministic), skips the packs already handed out
+without decoding them, and continues: the packs are exactly the uninterrupted run's. The source
+must yield the same records in the same order when iterated again (a seeded shuffle: the loader
+calls the source's ``set_epoch(epoch)`` if it has one); a source that can seek skips faster, one
+that cannot is read from the start of its stream (records read, not decoded). Resuming mid-epoch
+on another number of ranks or workers is refused (the streams are sharded differently), naming
+both; a checkpoint from an epoch's end resumes on any number.
+
+**Bad input** (``on_bad_sample``): a record whose ``lengths`` fail or are out of ``[1, seq_len]``,
+or whose ``transform`` fails, is skipped and counted with its stream, position and key
+(``"skip"``, the default; :attr:`PackedStreamLoader.bad_samples`), or raises naming them
+(``"raise"``). A decoded sample whose token count differs from what ``lengths`` said is always an
+error (the lengths function and the data disagree).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import numbers
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lightning_vlmbalance import _lightning as seam
+from lightning_vlmbalance.loss import weigh_step
+from lightning_vlmbalance.packing.collate import PackCollator, PackItem
+from lightning_vlmbalance.packing.plan import PADDING
+from lightning_vlmbalance.packing.stream import WindowState, pack_stream_windows
+from lightning_vlmbalance.parallel import data_parallel_world
+
+__all__ = ["BAD_SAMPLE_POLICIES", "PackedStreamLoader"]
+
+log = logging.getLogger(__name__)
+
+BAD_SAMPLE_POLICIES = ("skip", "raise")
+_END = "_stream_end"  # the key of a stream's last item: its end marker
+_KEPT_GROUPS = 64  # global-batch starts kept for ``state_at`` (a wrapper reads ahead a few)
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+def _record_key(record: Any) -> str | None:
+    """A record's own name, when it has one (WebDataset's ``__key__``, a ``key`` or ``id``)."""
+    if isinstance(record, dict):
+        for name in ("__key__", "key", "id", "uid"):
+            value = record.get(name)
+            if isinstance(value, str | numbers.Integral):
+                return str(value)
+    return None
+
+
+class _Stream(IterableDataset):
+    """One worker's stream: read, measure, pack, decode, collate (see the module docstring).
+
+    Yields collated packs with ``meta["stream"]`` (the worker), ``meta["stream_pack"]`` (the
+    pack's index in its stream), ``meta["anchor"]`` (where a resume re-reads from to rebuild
+    this pack: a window state and the stream position of its first new record) and
+    ``meta["bad_samples"]`` (records skipped since the last item), then an end marker.
+    """
+
+    def __init__(self, owner: PackedStreamLoader, epoch: int, resume: dict[int, Any]) -> None:
+        self.source = owner.source
+        self.lengths = owner.lengths
+        self.transform = owner.transform
+        self.collate_fn = owner.collate_fn
+        self.seq_len = owner.seq_len
+        self.buffer = owner.buffer
+        self.min_fill = owner.min_fill
+        self.on_bad_sample = owner.on_bad_sample
+        self.key = owner.key
+        self.epoch = epoch
+        self.resume = resume  # stream -> {"anchor": [...], "taken": k, "ended": bool}
+        self.rank = owner.rank
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        stream = 0 if info is None else int(info.id)
+        resume = self.resume.get(stream)
+        bad: list[dict[str, Any]] = []
+        if resume is not None and resume["ended"]:
+            yield {_END: stream, "bad_samples": bad}
+            return
+        set_epoch = getattr(self.source, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
+        state, position, skip = WindowState(), 0, 0
+        if resume is not None:
+            window, position = resume["anchor"]
+            state, skip = WindowState.from_list(window), int(resume["taken"])
+        records: dict[int, tuple[int, Any]] = {}  # packer position -> (stream position, record)
+        where: dict[int, int] = {}  # packer position -> stream position, for window anchors
+        source = iter(self.source)
+        for skipped in range(position):  # read again, not decoded
+            if next(source, _END) is _END:
+                raise RuntimeError(
+                    f"PackedStreamLoader: rank {self.rank}'s stream {stream} ended after"
+                    f" {skipped} records while resuming at record {position}: the source does"
+                    " not yield the same records as in the run that saved the checkpoint"
+                )
+
+        def measured() -> Iterator[int]:
+            good = state.read  # the packer's positions count the records it was given
+            for offset, record in enumerate(source):
+                at = position + offset
+                tokens = self._measure(record, stream, at, bad)
+                if tokens is None:
+                    continue
+                records[good] = (at, record)
+                where[good] = at
+                good += 1
+                yield tokens
+
+        windows = pack_stream_windows(
+            measured(), self.seq_len, buffer=self.buffer, min_fill=self.min_fill, start=state
+        )
+        anchor = [state.to_list(), position]  # the first window's packs resume from its start
+        for window, packs in windows:
+            first = window.packs_before
+            for k, pack in enumerate(packs, start=first):
+                # (a skipped pack's records carried from before the anchor were never read)
+                items = [records.pop(int(p), None) for p in pack]
+                if k < skip:  # handed out before the checkpoint: not decoded
+                    continue
+                yield self._collate(stream, k, items, anchor, bad)
+                bad = []
+            # the next window's packs hold this window's carried records, read in this window:
+            # they resume from this window's start
+            anchor = [window.to_list(), where.get(window.read, position)]
+            for p in [p for p in where if p < window.read]:
+                del where[p]
+        yield {_END: stream, "bad_samples": bad}
+
+    def _measure(self, record: Any, stream: int, at: int, bad: list) -> int | None:
+        try:
+            tokens = self.lengths(record)
+            if isinstance(tokens, tuple | list):
+                tokens = tokens[0]
+            tokens = int(tokens)
+            if not 1 <= tokens <= self.seq_len:
+                raise ValueError(f"{tokens} tokens, not in [1, seq_len={self.seq_len}]")
+        except Exception as err:  # a bad record: the policy decides
+            self._bad(record, stream, at, f"lengths: {err}", bad, err)
+            return None
+        return tokens
+
+    def _bad(
+        self, record: Any, stream: int, at: int, reason: str, bad: list, err: Exception
+    ) -> None:
+        key = self.key(record) if self.key is not None else _record_key(record)
+        entry = {"rank": self.rank, "stream": stream, "position": at, "key": key, "reason": reason}
+        if self.on_bad_sample == "raise":
+            raise ValueError(
+                f"PackedStreamLoader: rank {self.rank}, stream {stream}, record {at}"
+                f"{f' ({key})' if key is not None else ''}: {reason}"
+            ) from err
+        bad.append(entry)
+
+    def _collate(
+        self, stream: int, k: int, items: list[tuple[int, Any]], anchor: list, bad: list
+    ) -> dict[str, Any]:
+        samples, positions, keys = [], [], []
+        for at, record in items:
+            try:
+                sample = self.transform(record) if self.transform is not None else record
+                tokens, _ = PackCollator.sample_lengths(sample, at)
+            except Exception as err:
+                self._bad(record, stream, at, f"transform: {err}", bad, err)
+                continue
+            said = self._measure(record, stream, at, [])
+            if tokens != said:
+                raise ValueError(
+                    f"PackedStreamLoader: rank {self.rank}, stream {stream}, record {at}: the"
+                    f" decoded sample has {tokens} tokens but `lengths` said {said}; the lengths"
+                    " function must count what the transform produces"
+                )
+            samples.append(sample)
+            positions.append(at)
+            keys.append(self.key(record) if self.key is not None else _record_key(record))
+        if samples:
+            batch = self.collate_fn([PackItem(k, p, s) for p, s in zip(positions, samples)])
+        else:  # every record of the pack was bad
+            batch = self.collate_fn([PackItem(PADDING, -1, None)])
+        batch["meta"].update(
+            stream=stream, stream_pack=k, anchor=anchor, keys=keys, bad_samples=bad
+        )
+        return batch
+
+
+class _EpochSetter:
+    """What Lightning calls ``set_epoch`` on (a loader's ``sampler``)."""
+
+    balanced = False  # never balances at the source (the strategy reads this)
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+
+class PackedStreamLoader:
+    """A Lightning-ready, resumable loader of packed batches from a streamed dataset.
+
+    See the module docstring for what it does. Like
+    :class:`~lightning_vlmbalance.PackedDataLoader` it yields one ``PackedBatch`` per batch;
+    unlike it, it has no length (Lightning runs the epoch until the loader ends it, on every
+    rank at the same global batch).
+
+    Args:
+        source: this rank's iterable of records (it shards itself across ranks and workers;
+            iterated again, it yields the same records in the same order).
+        seq_len: tokens per pack.
+        lengths: ``record -> tokens`` (or ``(tokens, image_tokens)``): what the decoded sample
+            will have, computed cheaply (no decoding).
+        transform: ``record -> sample dict`` (decoding), run in the workers for packed records
+            only; default: the records are sample dicts already.
+        collate_fn: default ``PackCollator(seq_len)``.
+        buffer: new records per packing window (memory: about ``buffer`` records per worker).
+        min_fill: packs filled below this are dissolved once and their samples packed again in
+            the next window.
+        micro_steps: packs per rank per global batch without a trainer (with one:
+            ``accumulate_grad_batches``).
+        trainer: the Lightning ``Trainer`` (``self.trainer`` in ``train_dataloader``): the
+            loader then groups its packs into the Trainer's optimizer steps and, unless a
+            wrapper does it (the ``"vlmbalance"`` strategies), weighs each step's loss
+            (:mod:`lightning_vlmbalance.loss`) from the same all-gather.
+        on_bad_sample: ``"skip"`` (count and report) or ``"raise"``.
+        key: ``record -> str``, a record's name in reports (default: its ``__key__``, ``key``,
+            ``id`` or ``uid`` field, if any).
+        timeout_s: how long a rank waits for its peers at a global batch before it fails
+            (the timeout of the loader's process group).
+        **dataloader_kwargs: passed to the inner ``DataLoader`` (``num_workers``,
+            ``pin_memory``, ``prefetch_factor``, ``multiprocessing_context``, ...).
+
+    Raises:
+        ValueError: for a bad setting, naming it.
+    """
+
+    batch_sampler = None
+
+    def __init__(
+        self,
+        source: Iterable[Any],
+        *,
+        seq_len: int,
+        lengths: Callable[[Any], Any] | None = None,
+        transform: Callable[[Any], dict[str, Any]] | None = None,
+        collate_fn: PackCollator | None = None,
+        buffer: int = 4096,
+        min_fill: float = 0.98,
+        micro_steps: int = 1,
+        trainer: Any = None,
+        on_bad_sample: str = "skip",
+        key: Callable[[Any], str] | None = None,
+        timeout_s: float = 600.0,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        if on_bad_sample not in BAD_SAMPLE_POLICIES:
+            raise ValueError(
+                f"`PackedStreamLoader(on_bad_sample={on_bad_sample!r})` must be one of"
+                f" {BAD_SAMPLE_POLICIES}"
+            )
+        if seq_len < 1 or buffer < 1 or micro_steps < 1:
+            raise ValueError(
+                f"`PackedStreamLoader(seq_len={seq_len}, buffer={buffer},"
+                f" micro_steps={micro_steps})`: each must be >= 1"
+            )
+        for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+            if name in dataloader_kwargs:
+                raise ValueError(f"`PackedStreamLoader({name}=...)`: packs are formed here")
+        if dataloader_kwargs.get("persistent_workers"):
+            raise ValueError(
+                "`PackedStreamLoader(persistent_workers=True)`: each pass starts its workers"
+                " with the pass's epoch and resume position"
+            )
+        self.source = source
+        self.seq_len = int(seq_len)
+        self.lengths = lengths if lengths is not None else _sample_tokens
+        self.transform = transform
+        self.collate_fn = collate_fn or PackCollator(seq_len)
+        self.buffer = int(buffer)
+        self.min_fill = float(min_fill)
+        self._micro_steps = int(micro_steps)
+        self.trainer = trainer
+        self.on_bad_sample = on_bad_sample
+        self.key = key
+        self.timeout_s = float(timeout_s)
+        self.dataloader_kwargs = dataloader_kwargs
+        self.sampler = _EpochSetter()
+        self._weighed_by: object | None = None
+        self._group: Any = None
+        self._group_made = False
+        self.rank = 0
+        # progress of the current pass
+        self._pending = False
+        self._iter_epoch: int | None = None
+        self._start = 0
+        self._delivered = 0
+        self._groups: deque[tuple[int, dict[str, Any]]] = deque(maxlen=_KEPT_GROUPS)
+        self._resume: dict[str, Any] | None = None
+        # reports: records skipped (by the policy), padding packs this rank trained
+        self.bad_samples: list[dict[str, Any]] = []
+        self.padding_packs = 0
+        self.packs = 0  # packs with samples handed out this epoch
+        self.left_over = 0  # packs read but not trained when an empty rank ended an epoch
+
+    # -- what Lightning and the strategies read ----------------------------------------------
+
+    @property
+    def dataset(self) -> Any:
+        return self.source
+
+    @property
+    def num_workers(self) -> int:
+        return int(self.dataloader_kwargs.get("num_workers", 0))
+
+    @property
+    def streams(self) -> int:
+        """Streams this rank reads (its ``DataLoader`` workers, or one)."""
+        return max(1, self.num_workers)
+
+    @property
+    def worker_init_fn(self) -> Any:
+        return self.dataloader_kwargs.get("worker_init_fn")
+
+    @worker_init_fn.setter
+    def worker_init_fn(self, fn: Any) -> None:
+        self.dataloader_kwargs["worker_init_fn"] = fn
+
+    @property
+    def multiprocessing_context(self) -> Any:
+        return self.dataloader_kwargs.get("multiprocessing_context")
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, context: Any) -> None:
+        self.dataloader_kwargs["multiprocessing_context"] = context
+
+    @property
+    def micro_steps(self) -> int:
+        if self.trainer is not None:
+            return int(self.trainer.accumulate_grad_batches)
+        return self._micro_steps
+
+    @property
+    def weigh_steps(self) -> bool:
+        """Whether this loader weighs each step's loss (a trainer, and no wrapper that does)."""
+        return self.trainer is not None and self._weighed_by is None
+
+    def weighed_by(self, wrapper: object) -> None:
+        """A wrapper that groups and weighs the steps itself: this loader no longer weighs."""
+        self._weighed_by = wrapper
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._pending = True
+        return self._generate()
+
+    def _world(self) -> tuple[int, int, int, int]:
+        """(data-parallel ranks, this rank, copies of each, gradient ranks)."""
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        world = data_parallel_world(strategy)
+        return world.size, world.rank, world.copies, world.gradient_ranks
+
+    def _collective_group(self) -> Any:
+        """The loader's own process group (gloo; its collectives may run in a wrapper's thread
+        while the training loop uses the world group). Made at the first pass, on every rank
+        at the same point: the training loop's first fetch."""
+        if not self._group_made:
+            self._group_made = True
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                self._group = dist.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)
+                )
+        return self._group
+
+    def _generate(self) -> Iterator[dict[str, Any]]:
+        # the epoch is read at the first ``next()`` (Lightning calls ``set_epoch`` after ``iter``)
+        self._pending = False
+        epoch = self.epoch
+        size, rank, copies, gradient_ranks = self._world()
+        self.rank = rank
+        state = self._fresh_state()
+        offset = 0
+        if self._resume is not None:
+            saved, self._resume = self._resume, None
+            if saved["epoch"] == epoch and saved.get("finished"):
+                self._iter_epoch, self._start, self._delivered = epoch, saved["position"], 0
+                return  # the checkpoint's epoch was trained to its end
+            if saved["epoch"] == epoch and "group" in saved:
+                self._check_same_shards(saved, size)
+                state, offset = copy.deepcopy(saved["group"]), int(saved["offset"])
+        if state["position"] == 0:
+            self.bad_samples, self.padding_packs, self.packs, self.left_over = [], 0, 0, 0
+        else:
+            self.bad_samples = list(state["bad_samples"])
+            self.padding_packs, self.packs = int(state["padding"]), int(state["packs"])
+        self._iter_epoch, self._start, self._delivered = epoch, state["position"] + offset, 0
+        self._groups.clear()
+        G = self.micro_steps
+        group = self._collective_group() if size > 1 else None
+        resume = {int(s): v for s, v in state["streams"].items()}
+        inner = DataLoader(
+            _Stream(self, epoch, resume),
+            batch_size=None,
+            collate_fn=_identity,
+            **self.dataloader_kwargs,
+        )
+        merged = _RoundRobin(iter(inner), state, self.streams)
+        template: torch.Tensor | None = None  # an empty pixel_values shaped like this rank's
+        first = state["position"] == 0
+        next_group = [int(state["position"])]  # epoch position of the next global batch
+
+        def take() -> tuple[dict[str, Any], list[dict[str, Any]], Any, torch.Tensor]:
+            snapshot = merged.snapshot()
+            snapshot["position"] = next_group[0]
+            next_group[0] += G
+            packs = [p for _, p in zip(range(G), merged)]
+            counts = torch.tensor(
+                [len(packs), sum(int(p["loss_tokens"]) for p in packs), int(merged.any_read)],
+                dtype=torch.int64,
+            )
+            if group is None:
+                return snapshot, packs, None, counts.unsqueeze(0)
+            gathered = torch.zeros(size * copies * 3, dtype=torch.int64)
+            work = dist.all_gather_into_tensor(gathered, counts, group=group, async_op=True)
+            return snapshot, packs, work, gathered
+
+        current = take()
+        while True:
+            snapshot, packs, work, gathered = current
+            if work is not None:
+                try:
+                    work.wait()
+                except RuntimeError as err:
+                    raise RuntimeError(
+                        f"PackedStreamLoader: rank {rank} could not agree on the next global"
+                        f" batch with its peers (a peer stopped or failed?): {err}"
+                    ) from err
+            counts = gathered.view(-1, 3)
+            if int(counts[:, 0].sum()) == 0:  # no rank has a pack: the epoch ends everywhere
+                self.bad_samples.extend(merged.leftover_bad)
+                self._finish(epoch)
+                return
+            if first and int(counts[:, 2].min()) == 0:
+                self._empty_rank(epoch, counts, packs, copies)
+                return
+            first = False
+            for pack in packs:
+                if pack["meta"]["sample_ids"]:
+                    template = pack["pixel_values"][:0].clone()
+            current = take()  # the next global batch's agreement runs while this one trains
+            snapshot["bad_samples"] = list(self.bad_samples)
+            snapshot["padding"], snapshot["packs"] = self.padding_packs, self.packs
+            self._groups.append((snapshot["position"], snapshot))
+            # a rank short of packs pads to the longest share (the ranks step together; a
+            # stream that ended on every rank ends with a shorter last step, as Lightning's)
+            packs += [self._padding(template) for _ in range(int(counts[:, 0].max()) - len(packs))]
+            if self.weigh_steps:
+                total = int(counts[:, 1].sum()) // copies
+                weigh_step(packs, global_loss_tokens=total, ranks=gradient_ranks, micro_steps=G)
+            for i, pack in enumerate(packs):
+                if i < offset:
+                    continue
+                meta = pack["meta"]
+                self.bad_samples.extend(meta.pop("bad_samples", []))
+                if meta["padding"]:
+                    self.padding_packs += 1
+                else:
+                    self.packs += 1
+                self._delivered += 1
+                yield pack
+            offset = 0
+
+    def _fresh_state(self) -> dict[str, Any]:
+        return {"position": 0, "cursor": 0, "streams": {}, "any_read": False}
+
+    def _check_same_shards(self, saved: dict[str, Any], size: int) -> None:
+        if saved["ranks"] != size or saved["streams"] != self.streams:
+            raise ValueError(
+                f"cannot resume the PackedStreamLoader mid-epoch {saved['epoch']}: the"
+                f" checkpoint was saved with {saved['ranks']} rank(s) x {saved['streams']}"
+                f" stream(s) (workers) and this run has {size} x {self.streams}; a streamed"
+                " source is sharded by rank and worker, so the remaining records of the epoch"
+                " cannot be found on other shards. Resume with the same ranks and num_workers,"
+                " or from a checkpoint saved at an epoch's end (any number)"
+            )
+
+    def _padding(self, template: torch.Tensor | None) -> dict[str, Any]:
+        """A pack without samples (no tokens to learn: weight 0); its empty ``pixel_values``
+        shaped like this rank's packs' (``template``)."""
+        pack = self.collate_fn([PackItem(PADDING, -1, None)])
+        if template is not None:
+            pack["pixel_values"] = template.clone()
+        pack["meta"].update(stream=-1, stream_pack=-1, anchor=None, keys=[], bad_samples=[])
+        return pack
+
+    def _finish(self, epoch: int) -> None:
+        self._groups.append((self._start + self._delivered, {"finished": True}))
+        if self.padding_packs:
+            log.info(
+                "PackedStreamLoader: rank %d trained %d padding pack(s) in epoch %d while its"
+                " stream had ended and a peer's had not",
+                self.rank,
+                self.padding_packs,
+                epoch,
+            )
+
+    def _empty_rank(self, epoch: int, counts: torch.Tensor, packs: list, copies: int) -> None:
+        empty = [int(r) // copies for r in torch.nonzero(counts[:, 2] == 0).flatten()]
+        self.left_over = len(packs)
+        self._groups.append((self._start + self._delivered, {"finished": True}))
+        warnings.warn(
+            f"PackedStreamLoader: the source of rank(s) {sorted(set(empty))} yielded no records"
+            f" in epoch {epoch}, so the epoch ends on every rank (no steps). This rank read"
+            f" {len(packs)} pack(s) it leaves untrained. Check the source's sharding (e.g."
+            " fewer shards than ranks x workers)",
+            stacklevel=3,
+        )
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    @property
+    def start(self) -> int:
+        """Position in this rank's packs of the epoch where the current pass started."""
+        return self._start if self._iter_epoch == self.epoch else 0
+
+    def _position(self) -> int:
+        if self.trainer is not None and self.trainer.training and self._weighed_by is None:
+            # Lightning fetches one batch ahead of a loader without a length: what it trained
+            return seam.micro_batch_index(self.trainer)
+        return self._start + self._delivered
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state_at(self._position())
+
+    def state_at(self, position: int) -> dict[str, Any]:
+        """The state that resumes at ``position`` (packs of this epoch handed out and trained)
+        of the pass in progress."""
+        size = self._world()[0]
+        base = {"epoch": self.epoch, "ranks": size, "streams": self.streams}
+        if self._resume is not None:  # restored, not iterated yet: keep what was restored
+            return dict(self._resume)
+        if self._pending or self._iter_epoch != self.epoch or not self._groups:
+            return {**base, "finished": self._iter_epoch == self.epoch, "position": 0}
+        start, snapshot = None, None
+        for at, snap in self._groups:
+            if at <= position:
+                start, snapshot = at, snap
+        if snapshot is None:
+            raise RuntimeError(
+                f"PackedStreamLoader: position {position} is before the global batches this"
+                " loader still remembers"
+            )
+        if snapshot.get("finished"):
+            return {**base, "finished": True, "position": start}
+        return {**base, "group": copy.deepcopy(snapshot), "offset": position - start}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume = dict(state_dict)
+        self.sampler.set_epoch(int(state_dict["epoch"]))
+
+
+def _sample_tokens(record: Any) -> int:
+    """Default ``lengths``: a sample dict's tokens (its ``input_ids``)."""
+    return PackCollator.sample_lengths(record, -1)[0]
+
+
+class _RoundRobin:
+    """The workers' packs in a fixed order: stream ``cursor``, then the next, round and round,
+    skipping streams that ended. The ``DataLoader`` delivers its workers round-robin from
+    worker 0 on every pass; a resumed pass starts elsewhere, so items are held until their turn
+    (at most about one per stream)."""
+
+    def __init__(self, items: Iterator[dict[str, Any]], state: dict[str, Any], streams: int):
+        self.items = items
+        self.streams = streams
+        self.cursor = int(state["cursor"])
+        self.position = int(state["position"])
+        self.any_read = bool(state.get("any_read"))
+        self.per_stream: dict[int, dict[str, Any]] = {
+            int(s): dict(v) for s, v in state["streams"].items()
+        }
+        for s in range(streams):
+            self.per_stream.setdefault(s, {"anchor": None, "taken": 0, "ended": False})
+        self.held: dict[int, deque[dict[str, Any]]] = {s: deque() for s in range(streams)}
+        self.leftover_bad: list[dict[str, Any]] = []
+
+    def snapshot(self) -> dict[str, Any]:
+        streams = {}
+        for s, v in self.per_stream.items():
+            anchor = v["anchor"]
+            streams[s] = (
+                {"anchor": anchor, "taken": v["taken"], "ended": v["ended"]}
+                if anchor is not None or v["ended"]
+                else None
+            )
+        return {
+            "position": self.position,
+            "cursor": self.cursor,
+            "any_read": self.any_read,
+            "streams": {s: v for s, v in streams.items() if v is not None},
+        }
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        while not all(v["ended"] for v in self.per_stream.values()):
+            s = self.cursor
+            if self.per_stream[s]["ended"]:
+                self.cursor = (s + 1) % self.streams
+                continue
+            while not self.held[s]:
+                item = next(self.items, None)
+                if item is None:  # the DataLoader ended: every worker sent its end marker
+                    raise RuntimeError(
+                        f"PackedStreamLoader: stream {s} ended without its end marker"
+                    )
+                owner = int(item[_END]) if _END in item else int(item["meta"]["stream"])
+                self.held[owner].append(item)
+            item = self.held[s].popleft()
+            self.cursor = (s + 1) % self.streams
+            if _END in item:
+                self.per_stream[s]["ended"] = True
+                self.leftover_bad.extend(item["bad_samples"])
+                continue
+            meta = item["meta"]
+            self.any_read = True
+            if self.leftover_bad:  # reported with the next pack handed out
+                meta["bad_samples"] = self.leftover_bad + meta["bad_samples"]
+                self.leftover_bad = []
+            self.per_stream[s].update(anchor=meta.pop("anchor"), taken=meta["stream_pack"] + 1)
+            self.position += 1
+            return item
+        raise StopIteration
+
