@@ -155,7 +155,9 @@ def write_parquet(records: list[dict[str, Any]], out: Path, shards: int) -> list
         table = pa.table(
             {
                 "uid": pa.array([r["uid"] for r in rows], pa.int64()),
-                "text": pa.array([np.asarray(r["text"]).tolist() for r in rows], pa.list_(pa.int32())),
+                "text": pa.array(
+                    [np.asarray(r["text"]).tolist() for r in rows], pa.list_(pa.int32())
+                ),
                 "images": pa.array([r["images"] for r in rows], pa.binary()),
                 "image_ends": pa.array([r["image_ends"] for r in rows], pa.list_(pa.int64())),
             }

@@ -677,4 +677,3 @@ class _RoundRobin:
             self.position += 1
             return item
         raise StopIteration
-

@@ -1,0 +1,140 @@
+"""``PackedStreamLoader`` in one process: packs of a stream, every record once, exact resume at
+any position, bad input, the resume policies. The 2-rank fits are in ``test_streaming_fit``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import lightning_vlmbalance as vb
+from examples import stream_data
+from lightning_vlmbalance.packing.stream import WindowState, pack_stream, pack_stream_windows
+
+SEQ_LEN = 256
+RECORDS = stream_data.synthetic_records(300, seed=4)
+
+
+def _loader(records=RECORDS, **kw) -> vb.PackedStreamLoader:
+    options = {
+        "seq_len": SEQ_LEN,
+        "lengths": stream_data.record_tokens,
+        "transform": stream_data.decode_record,
+        "collate_fn": vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
+        "buffer": 32,
+        "micro_steps": 2,
+        **kw,
+    }
+    return vb.PackedStreamLoader(stream_data.ShardedRecords(records), **options)
+
+
+def _keys(packs) -> list[list[str]]:
+    return [p["meta"]["keys"] for p in packs]
+
+
+def test_windows_resume_at_any_window_with_the_same_packs() -> None:
+    lengths = np.random.default_rng(0).integers(1, 300, 2000).tolist()
+    whole = [p.tolist() for p in pack_stream(lengths, 512, buffer=100)]
+    windows = list(pack_stream_windows(lengths, 512, buffer=100))
+    for state, _ in windows[1:]:
+        restored = WindowState.from_list(state.to_list())
+        again = pack_stream_windows(lengths[restored.read :], 512, buffer=100, start=restored)
+        packs = [p.tolist() for _, w in again for p in w]
+        assert packs == whole[restored.packs_before :]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_record_is_packed_once_and_a_resume_at_any_position_continues_the_same_packs(
+    num_workers,
+) -> None:
+    """Whole records in packs of at most ``seq_len`` tokens (the lengths from the PNG headers
+    equal the decoded samples'), each record in one pack; the workers' streams in a fixed
+    order; resuming from ``state_at(p)`` yields exactly the packs from ``p`` on (positions
+    inside a global batch too)."""
+    loader = _loader(num_workers=num_workers)
+    packs = list(loader)
+    keys = [k for ks in _keys(packs) for k in ks]
+    assert sorted(map(int, keys)) == list(range(len(RECORDS)))
+    assert all(int(p["meta"]["total_tokens"]) <= SEQ_LEN for p in packs)
+    real = [p for p in packs if not p["meta"]["padding"]]
+    efficiency = sum(p["meta"]["total_tokens"] for p in real) / (len(real) * SEQ_LEN)
+    assert efficiency > 0.9
+    assert len(packs) % 2 == 0 or loader.padding_packs == 0  # whole global batches, one rank
+    assert _keys(list(_loader(num_workers=num_workers))) == _keys(packs)  # deterministic
+    for position in (1, 2, 9, len(packs) // 2, len(packs) - 1):
+        state = loader.state_at(position)
+        resumed = _loader(num_workers=num_workers)
+        resumed.load_state_dict(state)
+        assert _keys(list(resumed)) == _keys(packs[position:]), position
+
+
+def test_a_checkpoint_of_a_finished_epoch_resumes_with_nothing_left_and_the_next_is_fresh() -> None:
+    loader = _loader()
+    packs = list(loader)
+    state = loader.state_at(len(packs))
+    assert state["finished"]
+    resumed = _loader()
+    resumed.load_state_dict(state)
+    assert list(resumed) == []
+    resumed.sampler.set_epoch(1)
+    assert _keys(list(resumed)) == _keys(packs)  # no shuffle in this source: the same order
+
+
+def test_bad_records_are_skipped_and_reported_with_stream_position_and_key_or_raise() -> None:
+    records = [dict(r) for r in RECORDS[:80]]
+    records[5]["images"] = b"not a png" + bytes(records[5]["images"])[9:]  # header broken
+    records[7]["text"] = np.zeros(0, dtype=np.int32)  # text-only and empty: 0 tokens
+    records[11]["image_ends"] = [*records[11]["image_ends"]]
+    broken = bytearray(records[11]["images"])
+    broken[40:] = b"\0" * (len(broken) - 40)  # a header that reads, pixels that do not decode
+    records[11]["images"] = bytes(broken)
+    loader = _loader(records)
+    keys = [k for ks in _keys(list(loader)) for k in ks]
+    bad = {b["key"]: b for b in loader.bad_samples}
+    has_images = bool(RECORDS[11]["image_ends"])
+    assert set(bad) == {"5", "7"} | ({"11"} if has_images else set())
+    assert bad["5"]["reason"].startswith("lengths") and bad["5"]["position"] == 5
+    assert bad["7"]["stream"] == 0 and "0 tokens" in bad["7"]["reason"]
+    assert sorted(map(int, keys)) == sorted(set(range(80)) - {5, 7, 11 if has_images else -1})
+    with pytest.raises(ValueError, match=r"stream 0, record 5 \(5\): lengths"):
+        list(_loader(records, on_bad_sample="raise"))
+
+
+def test_lengths_that_disagree_with_the_decoded_sample_are_an_error() -> None:
+    def off_by_one(record):
+        return stream_data.record_tokens(record)[0] - 1
+
+    with pytest.raises(ValueError, match="decoded sample has .* tokens but `lengths` said"):
+        list(_loader(lengths=off_by_one))
+
+
+def test_settings_are_checked_and_a_mid_epoch_state_does_not_resume_on_other_shards() -> None:
+    with pytest.raises(ValueError, match="persistent_workers"):
+        _loader(num_workers=1, persistent_workers=True)
+    with pytest.raises(ValueError, match="on_bad_sample"):
+        _loader(on_bad_sample="drop")
+    with pytest.raises(ValueError, match="batch_size"):
+        _loader(batch_size=2)
+    loader = _loader()
+    packs = iter(loader)
+    for _ in range(3):
+        next(packs)
+    state = loader.state_at(3)
+    other = _loader(num_workers=2)  # two streams instead of one
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"1 rank\(s\) x 1 stream\(s\).* 1 x 2"):
+        next(iter(other))
+    ranks = dict(state, ranks=2)  # as if saved by 2 ranks
+    other = _loader()
+    other.load_state_dict(ranks)
+    with pytest.raises(ValueError, match="cannot resume the PackedStreamLoader mid-epoch"):
+        next(iter(other))
+
+
+def test_padding_packs_carry_no_loss_and_keep_the_pixel_shape() -> None:
+    loader = _loader(RECORDS[:3], micro_steps=4)
+    packs = list(loader)
+    assert len(packs) == 1  # one rank: no padding for a short last step
+    pad = loader._padding(packs[0]["pixel_values"][:0])
+    assert pad["loss_tokens"] == 0 and pad["meta"]["padding"]
+    assert pad["pixel_values"].shape == (0, 8) and pad["pixel_values"].dtype == torch.float32

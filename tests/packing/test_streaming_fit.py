@@ -1,0 +1,96 @@
+"""Streamed data in a real ``Trainer(devices=2, accelerator="cpu")``: every record trained once
+per epoch across ranks (2 workers each), equal steps when the shards differ, an empty shard
+ends the epoch everywhere, exact mid-epoch resume; from a generic ``IterableDataset``, Hugging
+Face ``datasets`` parquet in streaming mode, and a LitData ``optimize()`` directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.launch import THEN, run_modules
+
+JOB = "tests.packing.stream_job"
+SAMPLES = 480  # tests.packing.stream_job.SAMPLES
+
+
+def _seen(out: Path) -> dict[int, dict]:
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three launches, two at a time, each several fits in the same two processes."""
+    root = tmp_path_factory.mktemp("stream_fits")
+
+    def fit(name: str, fmt: str, *args: str) -> list[str]:
+        data = str(root / f"data_{fmt}")
+        return ["--data", data, "--out", str(root / name), "--format", fmt, *args]
+
+    generic = [
+        *fit("uneven_ddp", "generic", "--strategy", "ddp", "--shares", "0.7", "0.3"),
+        THEN,
+        *fit("full", "generic", "--encoder", "--checkpoint-every", "7", "--epochs", "2"),
+        THEN,
+        *fit("resume", "generic", "--encoder", "--epochs", "2", "--resume"),
+        str(root / "full" / "ckpt" / "step=14.ckpt"),
+        THEN,
+        *fit("empty", "generic", "--strategy", "ddp", "--shares", "1", "0"),
+    ]
+    formats = []
+    for fmt in ("hf", "litdata"):
+        formats.append(
+            [
+                *fit(f"{fmt}_full", fmt, "--checkpoint-every", "9", "--epochs", "2"),
+                THEN,
+                *fit(f"{fmt}_resume", fmt, "--epochs", "2", "--resume"),
+                str(root / f"{fmt}_full" / "ckpt" / "step=27.ckpt"),
+            ]
+        )
+    run_modules([(JOB, *generic), (JOB, *formats[0]), (JOB, *formats[1])], timeout=600)
+    return root
+
+
+def _trained(seen: dict[int, dict], epoch: int = 0) -> list[int]:
+    return [int(k) for r in seen for s in seen[r]["seen"] if s[0] == epoch for k in s[2]]
+
+
+@pytest.mark.parametrize("name", ["uneven_ddp", "full", "hf_full", "litdata_full"])
+def test_every_record_is_trained_once_per_epoch_and_the_ranks_step_together(fits, name) -> None:
+    seen = _seen(fits / name)
+    epochs = {s[0] for s in seen[0]["seen"]}
+    for epoch in epochs:
+        assert sorted(_trained(seen, epoch)) == list(range(SAMPLES)), (name, epoch)
+    steps = [[(s[0], s[1]) for s in seen[r]["seen"]] for r in range(2)]
+    assert steps[0] == steps[1]  # the same micro-batches at the same optimizer steps
+    for r in range(2):
+        for s in seen[r]["seen"]:
+            assert (s[2] == []) == s[3], s  # padding packs, and only they, have no records
+
+
+def test_uneven_shards_pad_the_short_rank_and_report_it(fits) -> None:
+    seen = _seen(fits / "uneven_ddp")
+    padding = [seen[r]["report"]["padding_packs"] for r in range(2)]
+    # rank 1 holds 30% of the records: it runs out first and pads; rank 0 never does
+    assert padding[0] == 0 and padding[1] > 0
+    assert padding[1] == sum(s[3] for s in seen[1]["seen"])
+
+
+def test_a_rank_without_records_ends_the_epoch_on_every_rank(fits) -> None:
+    seen = _seen(fits / "empty")
+    assert seen[0]["seen"] == [] and seen[1]["seen"] == []
+    assert seen[0]["report"]["left_over"] > 0  # rank 0 read packs it could not train
+
+
+@pytest.mark.parametrize(
+    ("full", "resumed"),
+    [("full", "resume"), ("hf_full", "hf_resume"), ("litdata_full", "litdata_resume")],
+)
+def test_a_mid_epoch_resume_trains_exactly_the_uninterrupted_packs(fits, full, resumed) -> None:
+    a, b = _seen(fits / full), _seen(fits / resumed)
+    for r in range(2):
+        rest = b[r]["seen"]
+        assert rest and a[r]["seen"][-len(rest) :] == rest  # keys, padding, step, loss weight
+        assert rest[0][1] in (14, 27)  # it starts at the checkpoint's step
