@@ -65,6 +65,7 @@ from lightning_vlmbalance.packing.plan import (
     check_image_counts,
     check_length_table,
 )
+from lightning_vlmbalance.packing.stream import pack_stream
 from lightning_vlmbalance.synthetic import LengthTable
 
 __all__ = [
@@ -287,6 +288,7 @@ class _Pool:
         packer: str = "greedy",
         image_budget: int | None = None,
         window: int = 4096,
+        stream_buffer: int | None = None,
     ) -> None:
         total = np.asarray(table.total_tokens, dtype=np.int64)
         image = np.asarray(table.image_tokens, dtype=np.int64)
@@ -303,7 +305,12 @@ class _Pool:
         if packer == "budget":  # a sample above the budget cannot be packed at all: leave it out
             rows = np.flatnonzero(image <= (image_budget or 0))
             total, image, images = total[rows], image[rows], images[rows]
-        plan = build_epoch_plan(total, image, config, world_size=world_size, epoch=0)
+        self.stream_tail_frac = 0.0
+        if stream_buffer is not None:  # each rank packs its own shard of the stream
+            plan = _stream_plan(total, seq_len, world_size, seed, stream_buffer)
+            self.stream_tail_frac = plan.tail_frac
+        else:
+            plan = build_epoch_plan(total, image, config, world_size=world_size, epoch=0)
         self.plan = plan
         flat = [ids for rank in plan.rank_packs for ids in rank]
         self.packs = Packs.from_lists(flat)
@@ -346,6 +353,34 @@ class _Pool:
                 np.concatenate([r * n + np.arange(k * ga, (k + 1) * ga) for r in range(world)])
             )
         return out
+
+
+@dataclass(frozen=True)
+class _StreamPlan:
+    rank_packs: list[list[np.ndarray]]
+    packs_per_rank: int
+    tail_frac: float
+
+
+def _stream_plan(
+    total: np.ndarray, seq_len: int, world_size: int, seed: int, buffer: int
+) -> _StreamPlan:
+    """Packs as :class:`~lightning_vlmbalance.PackedStreamLoader` forms them: the mix shuffled
+    once (``seed``) and dealt to the ranks (rank ``r``'s stream: every ``world_size``-th
+    sample), each stream packed by :func:`~lightning_vlmbalance.packing.stream.pack_stream`
+    with ``buffer``. Every rank keeps as many packs as the rank with the fewest; the rest are
+    the epoch's tail, which the loader trains beside padding packs: ``tail_frac`` is the share
+    of the tail's micro-step slots that are padding."""
+    order = np.random.default_rng(seed).permutation(len(total))
+    ranks = []
+    for r in range(world_size):
+        shard = order[r::world_size]
+        ranks.append([shard[p] for p in pack_stream(total[shard], seq_len, buffer=buffer)])
+    n, most = min(len(p) for p in ranks), max(len(p) for p in ranks)
+    padding = sum(most - len(p) for p in ranks)
+    return _StreamPlan(
+        [p[:n] for p in ranks], n, padding / (world_size * (most - n)) if most > n else 0.0
+    )
 
 
 class _SourcePool:
@@ -429,6 +464,7 @@ def simulate(
     step_overhead: StepOverhead | None = None,
     progress: Callable[[int], Any] | None = None,
     rebalance: RebalanceConfig | None = None,
+    stream_buffer: int | None = None,
 ) -> list[dict[str, Any]]:
     """Simulates every (strategy, dp, ga); see the module docstring.
 
@@ -453,6 +489,10 @@ def simulate(
         rebalance: the planner's objective and tolerance, as the strategy would use them
             (:class:`~lightning_vlmbalance.balance.config.RebalanceConfig`; ``"auto"`` follows
             ``sync_every``). Its ``mode`` is not used: ``strategies`` lists the modes to compare.
+        stream_buffer: pack as a streamed dataset is packed (each rank its own shard of the
+            shuffled mix, in windows of this many samples: ``PackedStreamLoader``) instead of
+            the map-style sampler's global plan, for every strategy but ``budget`` and
+            ``source``; rows then have ``stream_tail_frac`` (see ``_stream_plan``).
 
     Returns:
         One dict per configuration: ``strategy``, ``dp``, ``ga``, ``step_ms`` (mean),
@@ -495,7 +535,17 @@ def simulate(
             budget = None
             if packer == "budget":
                 budget = image_budget or _default_budget(pool("greedy", world))
-            pools[key] = _Pool(table, seq_len, cost_model, exchange, key[1], seed, packer, budget)
+            pools[key] = _Pool(
+                table,
+                seq_len,
+                cost_model,
+                exchange,
+                key[1],
+                seed,
+                packer,
+                budget,
+                stream_buffer=stream_buffer if packer == "greedy" else None,
+            )
         return pools[key]
 
     for R in dp:
@@ -538,6 +588,8 @@ def simulate(
                     progress,
                 )
                 row["samples"] = "own" if strategy == "budget" else "off"
+                if stream_buffer is not None and strategy not in ("budget", "source"):
+                    row["stream_tail_frac"] = p.stream_tail_frac
                 group.append(row)
             _add_gains(group, pool("greedy", R).cost_ms, R, G, sync_every)
             rows.extend(group)
