@@ -8,8 +8,8 @@ by the default :class:`~lightning_vlmbalance.CostModel`, global batches replayed
 deal them: the map-style ``PackingSampler`` (one global plan, window 4,096) and a stream (each
 rank packs its own shard of the shuffled mix with ``pack_stream``, ``--buffers``), each with
 the packs where they fall (``off``) and rebalanced by the planner (``overlap``). The goal: the
-stream's ``overlap`` waste within 1.5x of the map-style one's. ``stream_tail_frac``: the
-padding share of the epoch's last micro-steps, where ranks whose streams ended pad.
+stream's ``overlap`` waste within 1.5x of the map-style one's. ``stream_tail_frac``: padding
+packs' share of the epoch's packs (ranks whose streams end first pad until the last one ends).
 
 Speed: ``PackedStreamLoader``'s per-worker work before decoding, one process: each record's
 lengths (``examples/stream_data.record_tokens``: PNG headers read, no pixel decoded; and a
@@ -64,7 +64,9 @@ def balance(args: argparse.Namespace) -> list[dict]:
                     "data": source,
                 }
             )
-    maps = {(r["strategy"], r["dp"], r["ga"]): r["waste_frac"] for r in rows if r["packer"] == "map"}
+    maps = {
+        (r["strategy"], r["dp"], r["ga"]): r["waste_frac"] for r in rows if r["packer"] == "map"
+    }
     for r in rows:
         base = maps[(r["strategy"], r["dp"], r["ga"])]
         r["waste_vs_map"] = round(r["waste_frac"] / base, 3) if base > 0 else None
@@ -103,7 +105,7 @@ def main() -> None:
     p.add_argument("--dp", type=int, nargs="+", default=[8, 64])
     p.add_argument("--ga", type=int, nargs="+", default=[4, 8])
     p.add_argument("--buffers", type=int, nargs="+", default=[4096, 1024])
-    p.add_argument("--batches", type=int, default=32)
+    p.add_argument("--batches", type=int, default=20)
     p.add_argument("--records", type=int, default=20_000)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)

@@ -369,8 +369,8 @@ def _stream_plan(
     once (``seed``) and dealt to the ranks (rank ``r``'s stream: every ``world_size``-th
     sample), each stream packed by :func:`~lightning_vlmbalance.packing.stream.pack_stream`
     with ``buffer``. Every rank keeps as many packs as the rank with the fewest; the rest are
-    the epoch's tail, which the loader trains beside padding packs: ``tail_frac`` is the share
-    of the tail's micro-step slots that are padding."""
+    the epoch's tail, which the loader trains beside padding packs: ``tail_frac`` is the
+    padding packs' share of the epoch's packs (every rank: as many as the rank with the most)."""
     order = np.random.default_rng(seed).permutation(len(total))
     ranks = []
     for r in range(world_size):
@@ -378,9 +378,7 @@ def _stream_plan(
         ranks.append([shard[p] for p in pack_stream(total[shard], seq_len, buffer=buffer)])
     n, most = min(len(p) for p in ranks), max(len(p) for p in ranks)
     padding = sum(most - len(p) for p in ranks)
-    return _StreamPlan(
-        [p[:n] for p in ranks], n, padding / (world_size * (most - n)) if most > n else 0.0
-    )
+    return _StreamPlan([p[:n] for p in ranks], n, padding / (world_size * most))
 
 
 class _SourcePool:
@@ -492,7 +490,8 @@ def simulate(
         stream_buffer: pack as a streamed dataset is packed (each rank its own shard of the
             shuffled mix, in windows of this many samples: ``PackedStreamLoader``) instead of
             the map-style sampler's global plan, for every strategy but ``budget`` and
-            ``source``; rows then have ``stream_tail_frac`` (see ``_stream_plan``).
+            ``source``; rows then have ``stream_tail_frac``, the padding packs' share of the
+            epoch where the ranks whose streams ended first wait for the others.
 
     Returns:
         One dict per configuration: ``strategy``, ``dp``, ``ga``, ``step_ms`` (mean),
