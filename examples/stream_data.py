@@ -133,7 +133,7 @@ class ShardedRecords(IterableDataset):
         self.records, self.rank, self.world = records, rank, world
         shares = shares or [1.0] * world
         bounds = np.concatenate([[0.0], np.cumsum(shares) / sum(shares)]) * len(records)
-        self.lo, self.hi = int(round(bounds[rank])), int(round(bounds[rank + 1]))
+        self.lo, self.hi = round(bounds[rank]), round(bounds[rank + 1])
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()

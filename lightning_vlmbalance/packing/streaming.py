@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_vlmbalance import _lightning as seam
+from lightning_vlmbalance.balance.exchange import exchange_packs
 from lightning_vlmbalance.loss import weigh_step
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import PADDING
@@ -342,6 +343,7 @@ class PackedStreamLoader:
         self.padding_packs = 0
         self.packs = 0  # packs with samples handed out this epoch
         self.left_over = 0  # packs read but not trained when an empty rank ended an epoch
+        self.lent_packs = 0  # packs this rank handed to peers whose streams had ended
 
     # -- what Lightning and the strategies read ----------------------------------------------
 
@@ -435,6 +437,7 @@ class PackedStreamLoader:
                 state, offset = copy.deepcopy(saved["group"]), int(saved["offset"])
         if state["position"] == 0:
             self.bad_samples, self.padding_packs, self.packs, self.left_over = [], 0, 0, 0
+            self.lent_packs = 0
         else:
             self.bad_samples = list(state["bad_samples"])
             self.padding_packs, self.packs = int(state["padding"]), int(state["packs"])
@@ -453,25 +456,37 @@ class PackedStreamLoader:
         template: torch.Tensor | None = None  # an empty pixel_values shaped like this rank's
         first = state["position"] == 0
         next_group = [int(state["position"])]  # epoch position of the next global batch
+        # packs read from this rank's streams and not trained yet, each with the merge's state
+        # before it was read (a checkpoint resumes the streams there); up to two shares: the
+        # second is what a rank can hand to peers whose streams ended (the tail of the epoch)
+        hand: deque[tuple[dict[str, Any], dict[str, Any]]] = deque()
+        # tensor parallel peers read the same packs: they pad, they never hand packs around
+        lend = copies == 1
+        width = 2 + 2 * G  # gathered per rank: packs in hand, any read, each pack's loss tokens
 
-        def take() -> tuple[dict[str, Any], list[dict[str, Any]], Any, torch.Tensor]:
-            snapshot = merged.snapshot()
-            snapshot["position"] = next_group[0]
+        def take() -> tuple[dict[str, Any], Any, torch.Tensor]:
+            while len(hand) < (2 * G if lend else G):
+                before = merged.snapshot()
+                pack = next(merged, None)
+                if pack is None:
+                    break
+                hand.append((pack, before))
+            snapshot = hand[0][1] if hand else merged.snapshot()
+            snapshot = {**snapshot, "position": next_group[0]}
             next_group[0] += G
-            packs = [p for _, p in zip(range(G), merged)]
-            counts = torch.tensor(
-                [len(packs), sum(int(p["loss_tokens"]) for p in packs), int(merged.any_read)],
-                dtype=torch.int64,
-            )
+            local = torch.zeros(width, dtype=torch.int64)
+            local[0], local[1] = len(hand), int(merged.any_read)
+            for k, (pack, _) in enumerate(hand):
+                local[2 + k] = int(pack["loss_tokens"])
             if group is None:
-                return snapshot, packs, None, counts.unsqueeze(0)
-            gathered = torch.zeros(size * copies * 3, dtype=torch.int64)
-            work = dist.all_gather_into_tensor(gathered, counts, group=group, async_op=True)
-            return snapshot, packs, work, gathered
+                return snapshot, None, local
+            gathered = torch.zeros(size * copies * width, dtype=torch.int64)
+            work = dist.all_gather_into_tensor(gathered, local, group=group, async_op=True)
+            return snapshot, work, gathered
 
         current = take()
         while True:
-            snapshot, packs, work, gathered = current
+            snapshot, work, gathered = current
             if work is not None:
                 try:
                     work.wait()
@@ -480,15 +495,23 @@ class PackedStreamLoader:
                         f"PackedStreamLoader: rank {rank} could not agree on the next global"
                         f" batch with its peers (a peer stopped or failed?): {err}"
                     ) from err
-            counts = gathered.view(-1, 3)
-            if int(counts[:, 0].sum()) == 0:  # no rank has a pack: the epoch ends everywhere
+            table = gathered.view(-1, width)
+            counts = table[:, 0].tolist()
+            if sum(counts) == 0:  # no rank has a pack: the epoch ends everywhere
                 self.bad_samples.extend(merged.leftover_bad)
                 self._finish(epoch)
                 return
-            if first and int(counts[:, 2].min()) == 0:
-                self._empty_rank(epoch, counts, packs, copies)
+            if first and int(table[:, 1].min()) == 0:
+                self._empty_rank(epoch, table[:, 1], [p for p, _ in hand], copies)
                 return
             first = False
+            used, moves = tail_plan(counts, G) if lend else ([min(c, G) for c in counts], [])
+            # this rank's packs of the global batch: its own first, then those its peers hand it
+            mine = [hand.popleft()[0] for _ in range(used[rank])]
+            kept, lent = mine[: min(counts[rank], G)], mine[min(counts[rank], G) :]
+            received = self._exchange(moves, lent, rank, G, group) if moves else {}
+            packs = kept + [received[(src, k)] for src, k, dst in moves if dst == rank]
+            tokens = sum(int(table[r, 2 : 2 + used[r]].sum()) for r in range(len(counts)))
             for pack in packs:
                 if pack["meta"]["sample_ids"]:
                     template = pack["pixel_values"][:0].clone()
@@ -498,9 +521,10 @@ class PackedStreamLoader:
             self._groups.append((snapshot["position"], snapshot))
             # a rank short of packs pads to the longest share (the ranks step together; a
             # stream that ended on every rank ends with a shorter last step, as Lightning's)
-            packs += [self._padding(template) for _ in range(int(counts[:, 0].max()) - len(packs))]
+            longest = max(_received_counts(counts, used, moves, G))
+            packs += [self._padding(template) for _ in range(longest - len(packs))]
             if self.weigh_steps:
-                total = int(counts[:, 1].sum()) // copies
+                total = tokens // copies
                 weigh_step(packs, global_loss_tokens=total, ranks=gradient_ranks, micro_steps=G)
             for i, pack in enumerate(packs):
                 if i < offset:
@@ -514,6 +538,28 @@ class PackedStreamLoader:
                 self._delivered += 1
                 yield pack
             offset = 0
+
+    def _exchange(
+        self,
+        moves: list[tuple[int, int, int]],
+        lent: list[dict[str, Any]],
+        rank: int,
+        G: int,
+        group: Any,
+    ) -> dict[tuple[int, int], dict[str, Any]]:
+        """Hands this rank's ``lent`` packs to the peers the tail plan names and receives its
+        own (point to point on the loader's group); keys ``(source rank, index in its hand)``."""
+        ids = {(src, k): src * 2 * G + k for src, k, _ in moves}
+        outgoing = {ids[(src, k)]: lent[k - G] for src, k, _ in moves if src == rank}
+        received = exchange_packs(
+            outgoing,
+            [(ids[(src, k)], src, dst) for src, k, dst in moves],
+            rank=rank,
+            group=group,
+            timeout_s=self.timeout_s,
+        )
+        self.lent_packs += len(outgoing)
+        return {(src, k): received[ids[(src, k)]] for src, k, dst in moves if dst == rank}
 
     def _fresh_state(self) -> dict[str, Any]:
         return {"position": 0, "cursor": 0, "streams": {}, "any_read": False}
@@ -549,8 +595,8 @@ class PackedStreamLoader:
                 epoch,
             )
 
-    def _empty_rank(self, epoch: int, counts: torch.Tensor, packs: list, copies: int) -> None:
-        empty = [int(r) // copies for r in torch.nonzero(counts[:, 2] == 0).flatten()]
+    def _empty_rank(self, epoch: int, any_read: torch.Tensor, packs: list, copies: int) -> None:
+        empty = [int(r) // copies for r in torch.nonzero(any_read == 0).flatten()]
         self.left_over = len(packs)
         self._groups.append((self._start + self._delivered, {"finished": True}))
         warnings.warn(
@@ -602,6 +648,40 @@ class PackedStreamLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume = dict(state_dict)
         self.sampler.set_epoch(int(state_dict["epoch"]))
+
+
+def tail_plan(counts: list[int], G: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Which packs of each rank's hand a global batch trains, and which change rank.
+
+    ``counts[r]``: the packs rank ``r`` holds (its next share of ``G``, and up to ``G`` more).
+    Every rank trains its own first ``min(counts[r], G)``; where a rank has fewer than ``G``
+    (its streams ended), ranks with more hand over their next packs, in rank order, up to ``G``
+    each. Returns ``used[r]`` (packs taken from the front of rank ``r``'s hand) and the moves
+    ``(source rank, index in its hand, destination rank)``. Every rank computes the same plan
+    from the same counts; before the tail nothing moves.
+    """
+    keep = [min(c, G) for c in counts]
+    used = list(keep)
+    lenders = [(r, k) for r, c in enumerate(counts) for k in range(G, c)]
+    moves: list[tuple[int, int, int]] = []
+    for dst, k in enumerate(keep):
+        for _ in range(G - k):
+            if not lenders:
+                return used, moves
+            src, index = lenders.pop(0)
+            moves.append((src, index, dst))
+            used[src] += 1
+    return used, moves
+
+
+def _received_counts(
+    counts: list[int], used: list[int], moves: list[tuple[int, int, int]], G: int
+) -> list[int]:
+    """Packs each rank trains in the global batch: its own kept ones and those handed to it."""
+    trained = [min(c, G) for c in counts]
+    for _, _, dst in moves:
+        trained[dst] += 1
+    return trained
 
 
 def _sample_tokens(record: Any) -> int:

@@ -57,6 +57,7 @@ class StreamRecordingVLM(ToyVLM):
             "padding_packs": inner.padding_packs,
             "bad_samples": inner.bad_samples,
             "left_over": inner.left_over,
+            "lent_packs": inner.lent_packs,
         }
         path = Path(self.out) / f"rank{self.global_rank}.json"
         path.write_text(json.dumps({"seen": self.seen, "report": report}))
@@ -136,6 +137,8 @@ def _fit(args: argparse.Namespace) -> None:
         )
     if args.strategy == "vlmbalance":
         strategy: Any = vb.VLMBalanceStrategy(mode=args.mode, encoder=args.encoder)
+    elif args.strategy == "fsdp_vlmbalance":
+        strategy = vb.FSDPVLMBalanceStrategy(mode=args.mode, encoder=args.encoder)
     else:
         strategy = args.strategy
     trainer = L.Trainer(

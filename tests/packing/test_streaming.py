@@ -104,7 +104,7 @@ def test_lengths_that_disagree_with_the_decoded_sample_are_an_error() -> None:
     def off_by_one(record):
         return stream_data.record_tokens(record)[0] - 1
 
-    with pytest.raises(ValueError, match="decoded sample has .* tokens but `lengths` said"):
+    with pytest.raises(ValueError, match=r"decoded sample has .* tokens but `lengths` said"):
         list(_loader(lengths=off_by_one))
 
 
@@ -138,3 +138,22 @@ def test_padding_packs_carry_no_loss_and_keep_the_pixel_shape() -> None:
     pad = loader._padding(packs[0]["pixel_values"][:0])
     assert pad["loss_tokens"] == 0 and pad["meta"]["padding"]
     assert pad["pixel_values"].shape == (0, 8) and pad["pixel_values"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("counts", "used", "moves"),
+    [
+        ([4, 4], [2, 2], []),  # before the tail: every rank its own share, nothing moves
+        ([4, 1], [3, 1], [(0, 2, 1)]),  # rank 1 short by one: rank 0's next pack
+        ([4, 0, 3], [4, 0, 2], [(0, 2, 1), (0, 3, 1)]),
+        ([3, 0, 3], [3, 0, 3], [(0, 2, 1), (2, 2, 1)]),  # lenders in rank order
+        ([1, 0], [1, 0], []),  # the very end: nobody has a pack to spare
+        ([0, 0], [0, 0], []),
+    ],
+)
+def test_the_tail_plan_lends_the_next_packs_of_longer_ranks_to_short_ones(
+    counts, used, moves
+) -> None:
+    from lightning_vlmbalance.packing.streaming import tail_plan
+
+    assert tail_plan(counts, 2) == (used, moves)

@@ -57,6 +57,20 @@ def test_rebalancing_removes_most_waste_and_is_deterministic() -> None:
     assert other != rows
 
 
+def test_a_streamed_mix_packs_each_ranks_shard_and_rebalances_like_the_map_style_one() -> None:
+    """``stream_buffer``: each rank packs its own shard (every sample in one pack of its own
+    rank's stream), the epoch's tail padding is reported, and rebalancing removes most waste
+    as it does for the map-style plan."""
+    kwargs = {"seq_len": 8192, "dp": [8], "ga": [8], "batches": 6, "seed": 3, "replay": True}
+    rows = {r["strategy"]: r for r in simulate(_mix(), strategies=["off", "overlap"], **kwargs)}
+    streamed = simulate(_mix(), strategies=["off", "overlap"], stream_buffer=256, **kwargs)
+    by = {r["strategy"]: r for r in streamed}
+    assert by["off"]["packing_efficiency"] > 0.98
+    assert 0 <= by["off"]["stream_tail_frac"] < 0.05 and "stream_tail_frac" not in rows["off"]
+    assert by["overlap"]["waste_frac"] < 0.2 * by["off"]["waste_frac"]
+    assert by["overlap"]["waste_frac"] < 2 * rows["overlap"]["waste_frac"] + 0.01
+
+
 def test_closed_form_laws() -> None:
     assert closed_form_waste(10.0, 3.0, 1, 8, "step") == 0.0
     w = [closed_form_waste(10.0, 3.0, dp, 4, "step") for dp in (2, 16, 1024)]
