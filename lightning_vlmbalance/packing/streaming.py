@@ -508,8 +508,9 @@ class PackedStreamLoader:
             used, moves = tail_plan(counts, G) if lend else ([min(c, G) for c in counts], [])
             # this rank's packs of the global batch: its own first, then those its peers hand it
             mine = [hand.popleft()[0] for _ in range(used[rank])]
-            kept, lent = mine[: min(counts[rank], G)], mine[min(counts[rank], G) :]
-            received = self._exchange(moves, lent, rank, G, group) if moves else {}
+            own = used[rank] - sum(1 for src, _, _ in moves if src == rank)
+            kept, lent = mine[:own], mine[own:]
+            received = self._exchange(moves, lent, rank, own, G, group) if moves else {}
             packs = kept + [received[(src, k)] for src, k, dst in moves if dst == rank]
             tokens = sum(int(table[r, 2 : 2 + used[r]].sum()) for r in range(len(counts)))
             for pack in packs:
@@ -521,7 +522,7 @@ class PackedStreamLoader:
             self._groups.append((snapshot["position"], snapshot))
             # a rank short of packs pads to the longest share (the ranks step together; a
             # stream that ended on every rank ends with a shorter last step, as Lightning's)
-            longest = max(_received_counts(counts, used, moves, G))
+            longest = max(_trained_counts(counts, used, moves))
             packs += [self._padding(template) for _ in range(longest - len(packs))]
             if self.weigh_steps:
                 total = tokens // copies
@@ -544,13 +545,14 @@ class PackedStreamLoader:
         moves: list[tuple[int, int, int]],
         lent: list[dict[str, Any]],
         rank: int,
+        own: int,
         G: int,
         group: Any,
     ) -> dict[tuple[int, int], dict[str, Any]]:
         """Hands this rank's ``lent`` packs to the peers the tail plan names and receives its
         own (point to point on the loader's group); keys ``(source rank, index in its hand)``."""
         ids = {(src, k): src * 2 * G + k for src, k, _ in moves}
-        outgoing = {ids[(src, k)]: lent[k - G] for src, k, _ in moves if src == rank}
+        outgoing = {ids[(src, k)]: lent[k - own] for src, k, _ in moves if src == rank}
         received = exchange_packs(
             outgoing,
             [(ids[(src, k)], src, dst) for src, k, dst in moves],
@@ -654,18 +656,21 @@ def tail_plan(counts: list[int], G: int) -> tuple[list[int], list[tuple[int, int
     """Which packs of each rank's hand a global batch trains, and which change rank.
 
     ``counts[r]``: the packs rank ``r`` holds (its next share of ``G``, and up to ``G`` more).
-    Every rank trains its own first ``min(counts[r], G)``; where a rank has fewer than ``G``
-    (its streams ended), ranks with more hand over their next packs, in rank order, up to ``G``
-    each. Returns ``used[r]`` (packs taken from the front of rank ``r``'s hand) and the moves
+    The global batch gives every rank ``m = min(G, ceil(sum(counts) / ranks))`` packs where it
+    can: each rank trains its own first ``min(counts[r], m)``, and where a rank has fewer (its
+    streams ended), ranks with more hand over their next packs, in rank order. Before the tail
+    ``m = G`` and nothing moves; the last global batch is as short as the packs left allow.
+    Returns ``used[r]`` (packs taken from the front of rank ``r``'s hand) and the moves
     ``(source rank, index in its hand, destination rank)``. Every rank computes the same plan
-    from the same counts; before the tail nothing moves.
+    from the same counts.
     """
-    keep = [min(c, G) for c in counts]
+    m = min(G, -(-sum(counts) // max(1, len(counts))))
+    keep = [min(c, m) for c in counts]
     used = list(keep)
-    lenders = [(r, k) for r, c in enumerate(counts) for k in range(G, c)]
+    lenders = [(r, k) for r, c in enumerate(counts) for k in range(m, c)]
     moves: list[tuple[int, int, int]] = []
     for dst, k in enumerate(keep):
-        for _ in range(G - k):
+        for _ in range(m - k):
             if not lenders:
                 return used, moves
             src, index = lenders.pop(0)
@@ -674,12 +679,13 @@ def tail_plan(counts: list[int], G: int) -> tuple[list[int], list[tuple[int, int
     return used, moves
 
 
-def _received_counts(
-    counts: list[int], used: list[int], moves: list[tuple[int, int, int]], G: int
+def _trained_counts(
+    counts: list[int], used: list[int], moves: list[tuple[int, int, int]]
 ) -> list[int]:
     """Packs each rank trains in the global batch: its own kept ones and those handed to it."""
-    trained = [min(c, G) for c in counts]
-    for _, _, dst in moves:
+    trained = list(used)
+    for src, _, dst in moves:
+        trained[src] -= 1
         trained[dst] += 1
     return trained
 

@@ -66,6 +66,7 @@ from lightning_vlmbalance.packing.plan import (
     check_length_table,
 )
 from lightning_vlmbalance.packing.stream import pack_stream
+from lightning_vlmbalance.packing.streaming import tail_plan
 from lightning_vlmbalance.synthetic import LengthTable
 
 __all__ = [
@@ -305,10 +306,10 @@ class _Pool:
         if packer == "budget":  # a sample above the budget cannot be packed at all: leave it out
             rows = np.flatnonzero(image <= (image_budget or 0))
             total, image, images = total[rows], image[rows], images[rows]
-        self.stream_tail_frac = 0.0
+        self.stream_counts: list[int] | None = None
         if stream_buffer is not None:  # each rank packs its own shard of the stream
             plan = _stream_plan(total, seq_len, world_size, seed, stream_buffer)
-            self.stream_tail_frac = plan.tail_frac
+            self.stream_counts = plan.counts
         else:
             plan = build_epoch_plan(total, image, config, world_size=world_size, epoch=0)
         self.plan = plan
@@ -359,7 +360,7 @@ class _Pool:
 class _StreamPlan:
     rank_packs: list[list[np.ndarray]]
     packs_per_rank: int
-    tail_frac: float
+    counts: list[int]  # each rank's packs in the epoch, before the cut to the fewest
 
 
 def _stream_plan(
@@ -368,17 +369,36 @@ def _stream_plan(
     """Packs as :class:`~lightning_vlmbalance.PackedStreamLoader` forms them: the mix shuffled
     once (``seed``) and dealt to the ranks (rank ``r``'s stream: every ``world_size``-th
     sample), each stream packed by :func:`~lightning_vlmbalance.packing.stream.pack_stream`
-    with ``buffer``. Every rank keeps as many packs as the rank with the fewest; the rest are
-    the epoch's tail, which the loader trains beside padding packs: ``tail_frac`` is the
-    padding packs' share of the epoch's packs (every rank: as many as the rank with the most)."""
+    with ``buffer``. Every rank keeps as many packs as the rank with the fewest (the replayed
+    global batches); :func:`stream_padding_share` prices the epoch's tail."""
     order = np.random.default_rng(seed).permutation(len(total))
     ranks = []
     for r in range(world_size):
         shard = order[r::world_size]
         ranks.append([shard[p] for p in pack_stream(total[shard], seq_len, buffer=buffer)])
-    n, most = min(len(p) for p in ranks), max(len(p) for p in ranks)
-    padding = sum(most - len(p) for p in ranks)
-    return _StreamPlan([p[:n] for p in ranks], n, padding / (world_size * most))
+    n = min(len(p) for p in ranks)
+    return _StreamPlan([p[:n] for p in ranks], n, [len(p) for p in ranks])
+
+
+def stream_padding_share(counts: Sequence[int], G: int) -> float:
+    """The share of an epoch's micro-batches that are padding packs when rank ``r``'s streams
+    give ``counts[r]`` packs: global batch by global batch as ``PackedStreamLoader`` runs it
+    (:func:`~lightning_vlmbalance.packing.streaming.tail_plan`: ranks whose streams ended
+    take packs from the others, up to ``G`` each; a rank still short pads to the longest)."""
+    left = list(counts)
+    slots = padding = 0
+    while sum(left):
+        hand = [min(c, 2 * G) for c in left]
+        used, moves = tail_plan(hand, G)
+        trained = list(used)
+        for src, _, dst in moves:
+            trained[src] -= 1
+            trained[dst] += 1
+        longest = max(trained)
+        slots += longest * len(left)
+        padding += longest * len(left) - sum(trained)
+        left = [c - u for c, u in zip(left, used)]
+    return padding / slots if slots else 0.0
 
 
 class _SourcePool:
@@ -491,7 +511,7 @@ def simulate(
             shuffled mix, in windows of this many samples: ``PackedStreamLoader``) instead of
             the map-style sampler's global plan, for every strategy but ``budget`` and
             ``source``; rows then have ``stream_tail_frac``, the padding packs' share of the
-            epoch where the ranks whose streams ended first wait for the others.
+            epoch's micro-batches (:func:`stream_padding_share`).
 
     Returns:
         One dict per configuration: ``strategy``, ``dp``, ``ga``, ``step_ms`` (mean),
@@ -588,7 +608,7 @@ def simulate(
                 )
                 row["samples"] = "own" if strategy == "budget" else "off"
                 if stream_buffer is not None and strategy not in ("budget", "source"):
-                    row["stream_tail_frac"] = p.stream_tail_frac
+                    row["stream_tail_frac"] = stream_padding_share(p.stream_counts, G)
                 group.append(row)
             _add_gains(group, pool("greedy", R).cost_ms, R, G, sync_every)
             rows.extend(group)

@@ -141,19 +141,21 @@ def test_padding_packs_carry_no_loss_and_keep_the_pixel_shape() -> None:
 
 
 @pytest.mark.parametrize(
-    ("counts", "used", "moves"),
+    ("counts", "G", "used", "moves"),
     [
-        ([4, 4], [2, 2], []),  # before the tail: every rank its own share, nothing moves
-        ([4, 1], [3, 1], [(0, 2, 1)]),  # rank 1 short by one: rank 0's next pack
-        ([4, 0, 3], [4, 0, 2], [(0, 2, 1), (0, 3, 1)]),
-        ([3, 0, 3], [3, 0, 3], [(0, 2, 1), (2, 2, 1)]),  # lenders in rank order
-        ([1, 0], [1, 0], []),  # the very end: nobody has a pack to spare
-        ([0, 0], [0, 0], []),
+        ([4, 4], 2, [2, 2], []),  # before the tail: every rank its own share, nothing moves
+        ([4, 1], 2, [3, 1], [(0, 2, 1)]),  # rank 1 short by one: rank 0's next pack
+        ([4, 0, 3], 2, [4, 0, 2], [(0, 2, 1), (0, 3, 1)]),
+        ([3, 0, 3], 2, [3, 0, 3], [(0, 2, 1), (2, 2, 1)]),  # lenders in rank order
+        ([1, 0], 2, [1, 0], []),  # the very end: nobody has a pack to spare
+        ([0, 0], 2, [0, 0], []),
+        ([5, 0], 4, [5, 0], [(0, 3, 1), (0, 4, 1)]),  # the last batch 3 + 2, not 4 + 1
+        ([7, 0, 0], 4, [7, 0, 0], [(0, 3, 1), (0, 4, 1), (0, 5, 1), (0, 6, 2)]),
     ],
 )
 def test_the_tail_plan_lends_the_next_packs_of_longer_ranks_to_short_ones(
-    counts, used, moves
+    counts, G, used, moves
 ) -> None:
     from lightning_vlmbalance.packing.streaming import tail_plan
 
-    assert tail_plan(counts, 2) == (used, moves)
+    assert tail_plan(counts, G) == (used, moves)
