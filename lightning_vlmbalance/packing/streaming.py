@@ -79,6 +79,18 @@ def _identity(item: Any) -> Any:
     return item
 
 
+def _stateful(source: Any) -> bool:
+    """Whether ``source`` saves and restores its own position (``state_dict()`` with no
+    argument, ``load_state_dict(state)``), as Hugging Face's ``IterableDataset`` does."""
+    if not callable(getattr(source, "load_state_dict", None)):
+        return False
+    try:
+        source.state_dict()
+    except TypeError:  # a state_dict that needs arguments (LitData's): not this protocol
+        return False
+    return True
+
+
 def _record_key(record: Any) -> str | None:
     """A record's own name, when it has one (WebDataset's ``__key__``, a ``key`` or ``id``)."""
     if isinstance(record, dict):
@@ -123,25 +135,39 @@ class _Stream(IterableDataset):
         set_epoch = getattr(self.source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self.epoch)
-        state, position, skip = WindowState(), 0, 0
+        state, position, skip, seek = WindowState(), 0, 0, None
         if resume is not None:
-            window, position = resume["anchor"]
+            window, position, seek = resume["anchor"]
             state, skip = WindowState.from_list(window), int(resume["taken"])
         records: dict[int, tuple[int, Any]] = {}  # packer position -> (stream position, record)
         where: dict[int, int] = {}  # packer position -> stream position, for window anchors
+        # a source with its own state (Hugging Face's IterableDataset: state_dict after n
+        # records resumes at record n) is saved every `every` records and resumed from the
+        # last save before the anchor; any other source is read again from its start
+        stateful = _stateful(self.source)
+        every = max(1, self.buffer // 4)
+        saves: deque[tuple[int, Any]] = deque()
+        read = 0
+        if seek is not None and stateful:
+            read = int(seek[0])
+            self.source.load_state_dict(seek[1])  # type: ignore[attr-defined]
         source = iter(self.source)
-        for skipped in range(position):  # read again, not decoded
+        for skipped in range(read, position):  # read again, not decoded
             if next(source, _END) is _END:
                 raise RuntimeError(
                     f"PackedStreamLoader: rank {self.rank}'s stream {stream} ended after"
                     f" {skipped} records while resuming at record {position}: the source does"
                     " not yield the same records as in the run that saved the checkpoint"
                 )
+        if stateful:
+            saves.append((position, self._source_state()))
 
         def measured() -> Iterator[int]:
             good = state.read  # the packer's positions count the records it was given
             for offset, record in enumerate(source):
                 at = position + offset
+                if stateful and (at + 1) % every == 0:
+                    saves.append((at + 1, self._source_state()))
                 tokens = self._measure(record, stream, at, bad)
                 if tokens is None:
                     continue
@@ -150,10 +176,17 @@ class _Stream(IterableDataset):
                 good += 1
                 yield tokens
 
+        def anchor_at(window: WindowState, at: int) -> list[Any]:
+            while len(saves) > 1 and saves[1][0] <= at:
+                saves.popleft()
+            seek = list(saves[0]) if saves and saves[0][0] <= at else None
+            return [window.to_list(), at, seek]
+
         windows = pack_stream_windows(
             measured(), self.seq_len, buffer=self.buffer, min_fill=self.min_fill, start=state
         )
-        anchor = [state.to_list(), position]  # the first window's packs resume from its start
+        # the first window's packs resume from its start
+        anchor = [state.to_list(), position, list(saves[0]) if saves else None]
         for window, packs in windows:
             first = window.packs_before
             for k, pack in enumerate(packs, start=first):
@@ -165,10 +198,13 @@ class _Stream(IterableDataset):
                 bad = []
             # the next window's packs hold this window's carried records, read in this window:
             # they resume from this window's start
-            anchor = [window.to_list(), where.get(window.read, position)]
+            anchor = anchor_at(window, where.get(window.read, position))
             for p in [p for p in where if p < window.read]:
                 del where[p]
         yield {_END: stream, "bad_samples": bad}
+
+    def _source_state(self) -> Any:
+        return copy.deepcopy(self.source.state_dict())  # type: ignore[attr-defined]
 
     def _measure(self, record: Any, stream: int, at: int, bad: list) -> int | None:
         try:
@@ -441,6 +477,7 @@ class PackedStreamLoader:
         else:
             self.bad_samples = list(state["bad_samples"])
             self.padding_packs, self.packs = int(state["padding"]), int(state["packs"])
+            self.lent_packs = int(state.get("lent", 0))
         self._iter_epoch, self._start, self._delivered = epoch, state["position"] + offset, 0
         self._groups.clear()
         G = self.micro_steps
@@ -498,7 +535,7 @@ class PackedStreamLoader:
             table = gathered.view(-1, width)
             counts = table[:, 0].tolist()
             if sum(counts) == 0:  # no rank has a pack: the epoch ends everywhere
-                self.bad_samples.extend(merged.leftover_bad)
+                self._report_bad(merged.leftover_bad)
                 self._finish(epoch)
                 return
             if first and int(table[:, 1].min()) == 0:
@@ -519,6 +556,7 @@ class PackedStreamLoader:
             current = take()  # the next global batch's agreement runs while this one trains
             snapshot["bad_samples"] = list(self.bad_samples)
             snapshot["padding"], snapshot["packs"] = self.padding_packs, self.packs
+            snapshot["lent"] = self.lent_packs
             self._groups.append((snapshot["position"], snapshot))
             # a rank short of packs pads to the longest share (the ranks step together; a
             # stream that ended on every rank ends with a shorter last step, as Lightning's)
@@ -531,7 +569,7 @@ class PackedStreamLoader:
                 if i < offset:
                     continue
                 meta = pack["meta"]
-                self.bad_samples.extend(meta.pop("bad_samples", []))
+                self._report_bad(meta.pop("bad_samples", []))
                 if meta["padding"]:
                     self.padding_packs += 1
                 else:
@@ -576,6 +614,16 @@ class PackedStreamLoader:
                 " cannot be found on other shards. Resume with the same ranks and num_workers,"
                 " or from a checkpoint saved at an epoch's end (any number)"
             )
+
+    def _report_bad(self, entries: list[dict[str, Any]]) -> None:
+        """Adds skipped records to :attr:`bad_samples`, once each (a resumed stream reads the
+        records since its anchor again, bad ones included)."""
+        if not entries:
+            return
+        known = {(b["rank"], b["stream"], b["position"]) for b in self.bad_samples}
+        for entry in entries:
+            if (entry["rank"], entry["stream"], entry["position"]) not in known:
+                self.bad_samples.append(entry)
 
     def _padding(self, template: torch.Tensor | None) -> dict[str, Any]:
         """A pack without samples (no tokens to learn: weight 0); its empty ``pixel_values``

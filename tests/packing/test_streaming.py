@@ -159,3 +159,50 @@ def test_the_tail_plan_lends_the_next_packs_of_longer_ranks_to_short_ones(
     from lightning_vlmbalance.packing.streaming import tail_plan
 
     assert tail_plan(counts, G) == (used, moves)
+
+
+class _Seekable(stream_data.ShardedRecords):
+    """Records with their own state (as Hugging Face's IterableDataset has): ``state_dict``
+    after ``n`` records resumes at record ``n``; counts the records it yields."""
+
+    def __init__(self, records) -> None:
+        super().__init__(records)
+        self.start, self.pulled, self.next = 0, 0, 0
+
+    def __iter__(self):
+        self.next = self.start
+        for record in self.records[self.start :]:
+            self.pulled += 1
+            self.next += 1
+            yield record
+
+    def state_dict(self) -> dict:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = state["next"]
+
+
+def test_a_source_with_its_own_state_resumes_near_the_anchor_without_rereading_the_stream() -> None:
+    def loader(source):
+        return vb.PackedStreamLoader(
+            source,
+            seq_len=SEQ_LEN,
+            lengths=stream_data.record_tokens,
+            transform=stream_data.decode_record,
+            collate_fn=vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
+            buffer=32,
+            micro_steps=2,
+        )
+
+    first = loader(_Seekable(RECORDS))
+    packs = list(first)
+    position = len(packs) - 6
+    source = _Seekable(RECORDS)
+    resumed = loader(source)
+    resumed.load_state_dict(first.state_at(position))
+    assert _keys(list(resumed)) == _keys(packs[position:])
+    # read again: from the last save (every buffer / 4 records) before the anchor window on,
+    # not the whole stream up to the checkpoint
+    assert source.pulled < len(RECORDS) // 2
+    assert source.start > 0
