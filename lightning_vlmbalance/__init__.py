@@ -7,6 +7,7 @@ Public API (everything else is private):
   (``IGNORE_INDEX`` for masked labels), :func:`pack_greedy` and :class:`Packs`,
   :func:`packing_efficiency`, :func:`build_epoch_plan` and its :class:`EpochPlan` (see
   ``docs/packing.md``); the baseline packers are in ``lightning_vlmbalance.packing``.
+- Streaming datasets: :class:`PackedStreamLoader` (see ``docs/streaming.md``).
 - Packed attention: :func:`packed_attention`, :func:`attention_backend`,
   :func:`flash_attn_available` (see ``docs/packed_attention.md``).
 - The loss contract: :func:`packed_cross_entropy`, :class:`PackedLoss`; every batch's
