@@ -186,10 +186,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ[_ROOT_ENV] = str(base / f"run_{k}")
     folder = Path(os.environ[_ROOT_ENV])
     data = folder / "data"
-    if not (data / "done").exists():  # rank 0, before rank 1 exists
+    if not (data / "done").exists():  # rank 0, before rank 1 exists: the formats it trains
         records = stream_data.synthetic_records(args.samples, seed=args.seed)
-        stream_data.write_parquet(records, data / "pq", shards=8)
-        stream_data.write_litdata(records, data / "ld")
+        if "hf" in args.formats:
+            stream_data.write_parquet(records, data / "pq", shards=8)
+        if "litdata" in args.formats:
+            stream_data.write_litdata(records, data / "ld")
         (data / "done").write_text("ok")
     runs = [run_format(args, fmt, data, folder) for fmt in args.formats]
     summary = {"samples": args.samples, "seq_len": args.seq_len, "runs": runs, "dir": str(folder)}

@@ -103,6 +103,7 @@ class _Pass:
     """
 
     def __init__(self, owner: RebalancingLoader, batches: Iterator[list[Any]]) -> None:
+        self.num_threads = torch.get_num_threads()  # the training process's setting
         self.ready: queue.Queue[Any] = queue.Queue(maxsize=1)
         self.permits = threading.Semaphore(1)
         self.stop = threading.Event()
@@ -112,6 +113,10 @@ class _Pass:
         self.thread.start()
 
     def _produce(self, owner: RebalancingLoader, batches: Iterator[list[Any]]) -> None:
+        # torch's thread count is each OS thread's own OpenMP setting: without this, this
+        # thread's operators would run on as many threads as the machine has cores, whatever
+        # the training process set
+        torch.set_num_threads(self.num_threads)
         try:
             while self._permit():
                 group = next(batches, None)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import logging
 import numbers
 import warnings
@@ -77,6 +78,19 @@ _KEPT_GROUPS = 64  # global-batch starts kept for ``state_at`` (a wrapper reads 
 
 def _identity(item: Any) -> Any:
     return item
+
+
+_GROUPS: dict[tuple[int, float], Any] = {}
+
+
+def _loader_group(timeout_s: float) -> Any:
+    """The gloo group every ``PackedStreamLoader`` of this process uses with this world and
+    timeout: one for the process, not one more per loader (a fit builds a new loader; its
+    group would never be used again)."""
+    key = (id(dist.group.WORLD), float(timeout_s))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return _GROUPS[key]
 
 
 def _stateful(source: Any) -> bool:
@@ -139,7 +153,8 @@ class _Stream(IterableDataset):
         if resume is not None:
             window, position, seek = resume["anchor"]
             state, skip = WindowState.from_list(window), int(resume["taken"])
-        records: dict[int, tuple[int, Any]] = {}  # packer position -> (stream position, record)
+        # packer position -> (stream position, record, tokens), while the record is buffered
+        records: dict[int, tuple[int, Any, int]] = {}
         where: dict[int, int] = {}  # packer position -> stream position, for window anchors
         # a source with its own state (Hugging Face's IterableDataset: state_dict after n
         # records resumes at record n) is saved every `every` records and resumed from the
@@ -171,7 +186,7 @@ class _Stream(IterableDataset):
                 tokens = self._measure(record, stream, at, bad)
                 if tokens is None:
                     continue
-                records[good] = (at, record)
+                records[good] = (at, record, tokens)
                 where[good] = at
                 good += 1
                 yield tokens
@@ -232,17 +247,16 @@ class _Stream(IterableDataset):
         bad.append(entry)
 
     def _collate(
-        self, stream: int, k: int, items: list[tuple[int, Any]], anchor: list, bad: list
+        self, stream: int, k: int, items: list[tuple[int, Any, int]], anchor: list, bad: list
     ) -> dict[str, Any]:
         samples, positions, keys = [], [], []
-        for at, record in items:
+        for at, record, said in items:
             try:
                 sample = self.transform(record) if self.transform is not None else record
                 tokens, _ = PackCollator.sample_lengths(sample, at)
             except Exception as err:
                 self._bad(record, stream, at, f"transform: {err}", bad, err)
                 continue
-            said = self._measure(record, stream, at, [])
             if tokens != said:
                 raise ValueError(
                     f"PackedStreamLoader: rank {self.rank}, stream {stream}, record {at}: the"
@@ -444,15 +458,14 @@ class PackedStreamLoader:
         return world.size, world.rank, world.copies, world.gradient_ranks
 
     def _collective_group(self) -> Any:
-        """The loader's own process group (gloo; its collectives may run in a wrapper's thread
-        while the training loop uses the world group). Made at the first pass, on every rank
-        at the same point: the training loop's first fetch."""
+        """The loaders' own process group (gloo; its collectives may run in a wrapper's thread
+        while the training loop uses the world group), one per world and timeout for the
+        whole process. Made at the first pass, on every rank at the same point: the training
+        loop's first fetch."""
         if not self._group_made:
             self._group_made = True
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                self._group = dist.new_group(
-                    backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)
-                )
+                self._group = _loader_group(self.timeout_s)
         return self._group
 
     def _generate(self) -> Iterator[dict[str, Any]]:
@@ -489,6 +502,11 @@ class PackedStreamLoader:
             collate_fn=_identity,
             **self.dataloader_kwargs,
         )
+        if self.num_workers > 0:
+            # garbage is collected here, not in the workers forked next: with several fits in
+            # one process, a worker segfaulted at its start while collecting garbage left by
+            # the earlier fits (a finalizer run in a child without the parent's threads)
+            gc.collect()
         merged = _RoundRobin(iter(inner), state, self.streams)
         template: torch.Tensor | None = None  # an empty pixel_values shaped like this rank's
         first = state["position"] == 0
@@ -536,6 +554,13 @@ class PackedStreamLoader:
             counts = table[:, 0].tolist()
             if sum(counts) == 0:  # no rank has a pack: the epoch ends everywhere
                 self._report_bad(merged.leftover_bad)
+                if first:
+                    warnings.warn(
+                        f"PackedStreamLoader: no rank's source yielded a record that could be"
+                        f" packed in epoch {epoch} ({len(self.bad_samples)} skipped on this"
+                        " rank: `bad_samples`); the epoch has no steps",
+                        stacklevel=3,
+                    )
                 self._finish(epoch)
                 return
             if first and int(table[:, 1].min()) == 0:

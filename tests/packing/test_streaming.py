@@ -78,6 +78,12 @@ def test_a_checkpoint_of_a_finished_epoch_resumes_with_nothing_left_and_the_next
     assert list(resumed) == []
     resumed.sampler.set_epoch(1)
     assert _keys(list(resumed)) == _keys(packs)  # no shuffle in this source: the same order
+    # the policy on another number of ranks or workers: an epoch's end resumes on any number
+    other = _loader(num_workers=2)
+    other.load_state_dict(dict(state, ranks=4, streams=3))
+    assert list(other) == []  # the saved epoch was finished
+    other.sampler.set_epoch(1)
+    assert sorted(int(k) for ks in _keys(list(other)) for k in ks) == list(range(len(RECORDS)))
 
 
 def test_bad_records_are_skipped_and_reported_with_stream_position_and_key_or_raise() -> None:
