@@ -28,7 +28,7 @@ from examples.vlm import SMALL_VLM, ToyVLM
 from tests.launch import fit_arg_lists
 
 SEQ_LEN = 256
-SAMPLES = 480
+SAMPLES = 360
 
 
 class StreamRecordingVLM(ToyVLM):
