@@ -31,6 +31,7 @@ __all__ = [
     "hf_stream",
     "litdata_stream",
     "record_tokens",
+    "stream_loader",
     "synthetic_records",
     "write_litdata",
     "write_parquet",
@@ -116,6 +117,20 @@ def decode_record(record: dict[str, Any]) -> dict[str, Any]:
         "image_sizes": torch.tensor(sizes),
         "image_positions": torch.arange(1, 1 + n_image),
     }
+
+
+def stream_loader(source: Any, seq_len: int, **options: Any) -> Any:
+    """A ``PackedStreamLoader`` over a stream of these records: lengths from the PNG headers,
+    samples decoded for packed records only, packs of ``seq_len`` tokens; ``options``: its
+    other arguments (``buffer``, ``trainer``, ``num_workers``, ...) or other defaults."""
+    import lightning_vlmbalance as vb
+
+    defaults = {
+        "lengths": record_tokens,
+        "transform": decode_record,
+        "collate_fn": vb.PackCollator(seq_len, image_feature_shape=(PATCH[0] * PATCH[1],)),
+    }
+    return vb.PackedStreamLoader(source, seq_len=seq_len, **{**defaults, **options})
 
 
 class ShardedRecords(IterableDataset):

@@ -86,12 +86,9 @@ class Streams(L.LightningDataModule):
             source = stream_data.hf_stream(paths, trainer.global_rank, trainer.world_size)
         else:
             source = stream_data.litdata_stream(str(self.data / "ld"))
-        self.loader = vb.PackedStreamLoader(
+        self.loader = stream_data.stream_loader(
             source,
-            seq_len=self.args.seq_len,
-            lengths=stream_data.record_tokens,
-            transform=stream_data.decode_record,
-            collate_fn=vb.PackCollator(self.args.seq_len, image_feature_shape=(8,)),
+            self.args.seq_len,
             buffer=self.args.buffer,
             trainer=trainer,
             num_workers=self.args.num_workers,

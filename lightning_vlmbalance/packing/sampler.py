@@ -458,6 +458,14 @@ def _check_ranks_agree(sampler: PackingSampler, epoch: int) -> None:
         raise ValueError(f"the ranks disagree on the packing plan (config mismatch): {detail}")
 
 
+def check_dataloader_kwargs(owner: str, kwargs: dict[str, Any], decider: str) -> None:
+    """Refuses the inner ``DataLoader`` settings a loader of packs decides itself (one pack per
+    batch, formed by ``decider``), naming the setting."""
+    for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+        if key in kwargs:
+            raise ValueError(f"`{owner}({key}=...)` is decided by {decider}")
+
+
 class _PackDataset(Dataset):
     """Fetches the samples of a pack and checks each against the length table."""
 
@@ -560,9 +568,7 @@ class PackedDataLoader:
                 f"the dataset has {len(dataset)} samples but the sampler's length table has"
                 f" {len(sampler.total_tokens)}: the length table does not match the dataset"
             )
-        for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
-            if key in dataloader_kwargs:
-                raise ValueError(f"`PackedDataLoader({key}=...)` is decided by the PackingSampler")
+        check_dataloader_kwargs("PackedDataLoader", dataloader_kwargs, "the PackingSampler")
         self.dataset = dataset
         self.sampler = sampler
         self.trainer = trainer

@@ -64,6 +64,7 @@ from lightning_vlmbalance.balance.exchange import exchange_packs
 from lightning_vlmbalance.loss import weigh_step
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import PADDING
+from lightning_vlmbalance.packing.sampler import check_dataloader_kwargs
 from lightning_vlmbalance.packing.stream import WindowState, pack_stream_windows
 from lightning_vlmbalance.parallel import data_parallel_world
 
@@ -355,9 +356,7 @@ class PackedStreamLoader:
                 f"`PackedStreamLoader(seq_len={seq_len}, buffer={buffer},"
                 f" micro_steps={micro_steps})`: each must be >= 1"
             )
-        for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
-            if name in dataloader_kwargs:
-                raise ValueError(f"`PackedStreamLoader({name}=...)`: packs are formed here")
+        check_dataloader_kwargs("PackedStreamLoader", dataloader_kwargs, "the stream packer")
         if dataloader_kwargs.get("persistent_workers"):
             raise ValueError(
                 "`PackedStreamLoader(persistent_workers=True)`: each pass starts its workers"
@@ -379,7 +378,6 @@ class PackedStreamLoader:
         self.sampler = _EpochSetter()
         self._weighed_by: object | None = None
         self._group: Any = None
-        self._group_made = False
         self.rank = 0
         # progress of the current pass
         self._pending = False
@@ -460,12 +458,10 @@ class PackedStreamLoader:
     def _collective_group(self) -> Any:
         """The loaders' own process group (gloo; its collectives may run in a wrapper's thread
         while the training loop uses the world group), one per world and timeout for the
-        whole process. Made at the first pass, on every rank at the same point: the training
-        loop's first fetch."""
-        if not self._group_made:
-            self._group_made = True
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                self._group = _loader_group(self.timeout_s)
+        whole process. Made at the first pass with more than one data-parallel rank, on every
+        rank at the same point: the training loop's first fetch."""
+        if self._group is None:
+            self._group = _loader_group(self.timeout_s)
         return self._group
 
     def _generate(self) -> Iterator[dict[str, Any]]:
@@ -585,7 +581,7 @@ class PackedStreamLoader:
             self._groups.append((snapshot["position"], snapshot))
             # a rank short of packs pads to the longest share (the ranks step together; a
             # stream that ended on every rank ends with a shorter last step, as Lightning's)
-            longest = max(_trained_counts(counts, used, moves))
+            longest = max(trained_counts(used, moves))
             packs += [self._padding(template) for _ in range(longest - len(packs))]
             if self.weigh_steps:
                 total = tokens // copies
@@ -752,10 +748,9 @@ def tail_plan(counts: list[int], G: int) -> tuple[list[int], list[tuple[int, int
     return used, moves
 
 
-def _trained_counts(
-    counts: list[int], used: list[int], moves: list[tuple[int, int, int]]
-) -> list[int]:
-    """Packs each rank trains in the global batch: its own kept ones and those handed to it."""
+def trained_counts(used: list[int], moves: list[tuple[int, int, int]]) -> list[int]:
+    """Packs each rank trains in a global batch of :func:`tail_plan`'s ``(used, moves)``: the
+    packs it used of its hand, less those it lent, plus those lent to it."""
     trained = list(used)
     for src, _, dst in moves:
         trained[src] -= 1
@@ -778,7 +773,6 @@ class _RoundRobin:
         self.items = items
         self.streams = streams
         self.cursor = int(state["cursor"])
-        self.position = int(state["position"])
         self.any_read = bool(state.get("any_read"))
         self.per_stream: dict[int, dict[str, Any]] = {
             int(s): dict(v) for s, v in state["streams"].items()
@@ -789,20 +783,12 @@ class _RoundRobin:
         self.leftover_bad: list[dict[str, Any]] = []
 
     def snapshot(self) -> dict[str, Any]:
-        streams = {}
-        for s, v in self.per_stream.items():
-            anchor = v["anchor"]
-            streams[s] = (
-                {"anchor": anchor, "taken": v["taken"], "ended": v["ended"]}
-                if anchor is not None or v["ended"]
-                else None
-            )
-        return {
-            "position": self.position,
-            "cursor": self.cursor,
-            "any_read": self.any_read,
-            "streams": {s: v for s, v in streams.items() if v is not None},
+        """The merge's state (the caller adds the epoch position): the cursor, and the streams
+        that have handed out a pack or ended."""
+        streams = {
+            s: dict(v) for s, v in self.per_stream.items() if v["anchor"] is not None or v["ended"]
         }
+        return {"cursor": self.cursor, "any_read": self.any_read, "streams": streams}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self
@@ -833,6 +819,5 @@ class _RoundRobin:
                 meta["bad_samples"] = self.leftover_bad + meta["bad_samples"]
                 self.leftover_bad = []
             self.per_stream[s].update(anchor=meta.pop("anchor"), taken=meta["stream_pack"] + 1)
-            self.position += 1
             return item
         raise StopIteration

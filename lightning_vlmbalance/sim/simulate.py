@@ -66,7 +66,7 @@ from lightning_vlmbalance.packing.plan import (
     check_length_table,
 )
 from lightning_vlmbalance.packing.stream import pack_stream
-from lightning_vlmbalance.packing.streaming import tail_plan
+from lightning_vlmbalance.packing.streaming import tail_plan, trained_counts
 from lightning_vlmbalance.synthetic import LengthTable
 
 __all__ = [
@@ -390,10 +390,7 @@ def stream_padding_share(counts: Sequence[int], G: int) -> float:
     while sum(left):
         hand = [min(c, 2 * G) for c in left]
         used, moves = tail_plan(hand, G)
-        trained = list(used)
-        for src, _, dst in moves:
-            trained[src] -= 1
-            trained[dst] += 1
+        trained = trained_counts(used, moves)
         longest = max(trained)
         slots += longest * len(left)
         padding += longest * len(left) - sum(trained)

@@ -20,12 +20,12 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_vlmbalance as vb
 from examples import stream_data
 from examples.vlm import SMALL_VLM, ToyVLM
 from tests.launch import fit_arg_lists
+from tests.packing.lightning_job import step_checkpoints
 
 SEQ_LEN = 256
 SAMPLES = 360
@@ -79,12 +79,9 @@ class StreamData(L.LightningDataModule):
         else:
             records = stream_data.synthetic_records(SAMPLES, seed=1)
             source = stream_data.ShardedRecords(records, rank, world, shares=args.shares)
-        return vb.PackedStreamLoader(
+        return stream_data.stream_loader(
             source,
-            seq_len=SEQ_LEN,
-            lengths=stream_data.record_tokens,
-            transform=stream_data.decode_record,
-            collate_fn=vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
+            SEQ_LEN,
             buffer=args.buffer,
             trainer=trainer,
             num_workers=args.num_workers,
@@ -127,14 +124,7 @@ def _fit(args: argparse.Namespace) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     callbacks = []
     if args.checkpoint_every:
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=Path(args.out) / "ckpt",
-                every_n_train_steps=args.checkpoint_every,
-                save_top_k=-1,
-                filename="{step}",
-            )
-        )
+        callbacks.append(step_checkpoints(args.out, args.checkpoint_every, filename="{step}"))
     if args.strategy == "vlmbalance":
         strategy: Any = vb.VLMBalanceStrategy(mode=args.mode, encoder=args.encoder)
     elif args.strategy == "fsdp_vlmbalance":

@@ -15,17 +15,9 @@ SEQ_LEN = 256
 RECORDS = stream_data.synthetic_records(300, seed=4)
 
 
-def _loader(records=RECORDS, **kw) -> vb.PackedStreamLoader:
-    options = {
-        "seq_len": SEQ_LEN,
-        "lengths": stream_data.record_tokens,
-        "transform": stream_data.decode_record,
-        "collate_fn": vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
-        "buffer": 32,
-        "micro_steps": 2,
-        **kw,
-    }
-    return vb.PackedStreamLoader(stream_data.ShardedRecords(records), **options)
+def _loader(records=RECORDS, source=None, **kw) -> vb.PackedStreamLoader:
+    source = source if source is not None else stream_data.ShardedRecords(records)
+    return stream_data.stream_loader(source, SEQ_LEN, **{"buffer": 32, "micro_steps": 2, **kw})
 
 
 def _keys(packs) -> list[list[str]]:
@@ -190,22 +182,11 @@ class _Seekable(stream_data.ShardedRecords):
 
 
 def test_a_source_with_its_own_state_resumes_near_the_anchor_without_rereading_the_stream() -> None:
-    def loader(source):
-        return vb.PackedStreamLoader(
-            source,
-            seq_len=SEQ_LEN,
-            lengths=stream_data.record_tokens,
-            transform=stream_data.decode_record,
-            collate_fn=vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
-            buffer=32,
-            micro_steps=2,
-        )
-
-    first = loader(_Seekable(RECORDS))
+    first = _loader(source=_Seekable(RECORDS))
     packs = list(first)
     position = len(packs) - 6
     source = _Seekable(RECORDS)
-    resumed = loader(source)
+    resumed = _loader(source=source)
     resumed.load_state_dict(first.state_at(position))
     assert _keys(list(resumed)) == _keys(packs[position:])
     # read again: from the last save (every buffer / 4 records) before the anchor window on,
