@@ -82,6 +82,7 @@ __all__ = [
     "own_sigterm_handler",
     "refresh_epoch_batches",
     "release_sigterm_handler",
+    "resume_position",
     "set_ddp_comm_hook",
     "set_model_parallel_sizes",
     "set_received_sigterm",
@@ -256,6 +257,15 @@ def leave_loop_seam(trainer: Any, owner: object) -> None:
 def micro_batch_index(trainer: Any) -> int:
     """Index in the epoch of the micro-batch about to run (or running) in the training loop."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def resume_position(trainer: Any) -> int:
+    """Micro-batches of the epoch that a resume from a checkpoint saved now does not run again:
+    those the training loop has processed. Lightning restarts an interrupted micro-batch (a
+    checkpoint on an exception inside it) and counts one whose ``on_train_batch_end`` saved the
+    checkpoint as done; at a mid-epoch validation every fetched batch but the one read ahead
+    was processed."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
 
 # -- the epoch's number of training batches ------------------------------------------------------

@@ -247,7 +247,7 @@ class Rebalancer:
             epoch_batches=lambda: trainer.num_training_batches,
             # the training loop's position: a loader that cannot resume starts again from its
             # first batch, while the loop counts on from the checkpoint's
-            epoch_position=lambda: seam.micro_batch_index(trainer),
+            epoch_position=lambda: seam.resume_position(trainer),
             encoder_group=self._encoder_group,
         )
         return self.loader

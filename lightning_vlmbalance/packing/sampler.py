@@ -799,9 +799,15 @@ class PackedDataLoader:
         return self._start + self._delivered
 
     def state_dict(self) -> dict[str, Any]:
+        consumed = self.consumed
+        in_progress = not self._pending and self._resume_epoch is None
+        if in_progress and self.trainer is not None and self._iter_epoch == self.sampler.epoch:
+            # where Lightning resumes a checkpoint saved now: a batch delivered to a step that
+            # failed (a checkpoint on the exception) is run again
+            consumed = seam.resume_position(self.trainer)
         state = {
             "epoch": self.sampler.epoch,
-            "consumed": self.consumed,
+            "consumed": consumed,
             "fingerprint": self.sampler.fingerprint(),
         }
         if self.sampler.balanced:  # the cost models the epoch is planned with (calibration)

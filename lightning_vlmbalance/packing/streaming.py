@@ -17,13 +17,15 @@ share is one *stream*), and in each worker:
 The main process takes the workers' packs in a fixed round-robin order (so a resumed pass
 continues the same order) and hands them out a global batch at a time (``micro_steps`` packs:
 one optimizer step). **Equal steps, no hang**: before a global batch is handed out, the ranks
-exchange how many packs each has for it (one all-gather of three integers per global batch on a
+exchange how many packs each has for it (one all-gather of a few integers per global batch on a
 process group of the loader's own, started one global batch ahead so it does not wait on the
-step path; nothing per micro-batch). A rank whose stream has ended fills its share with padding
-packs (no tokens to learn, weight 0), so every sample of a finite stream is trained once in the
-epoch, on some rank, and the ranks stop together at the first global batch for which no rank has
-a pack. A rank whose source yields nothing at all in an epoch ends the epoch on every rank, with
-a warning that names it (the other ranks' data of that epoch is left untrained and counted).
+step path; nothing per micro-batch). A rank whose streams have ended trains packs its peers
+lend it (:func:`tail_plan`), and pads where there are too few (no tokens to learn, weight 0):
+every global batch but the last is ``micro_steps`` packs on every rank (one optimizer step),
+every sample of a finite stream is trained once in the epoch, on some rank, and the ranks stop
+together at the first global batch for which no rank has a pack. A rank whose source yields
+nothing at all in an epoch ends the epoch on every rank, with a warning that names it (the
+other ranks' data of that epoch is left untrained and counted).
 
 **Exact resume**: the checkpoint holds, per stream, how many packs were handed out and where the
 packer stood a window before the last of them (:class:`~lightning_vlmbalance.packing.stream.
@@ -32,9 +34,14 @@ that position again, re-packs (the packer is deterministic), skips the packs alr
 without decoding them, and continues: the packs are exactly the uninterrupted run's. The source
 must yield the same records in the same order when iterated again (a seeded shuffle: the loader
 calls the source's ``set_epoch(epoch)`` if it has one); a source that can seek skips faster, one
-that cannot is read from the start of its stream (records read, not decoded). Resuming mid-epoch
-on another number of ranks or workers is refused (the streams are sharded differently), naming
-both; a checkpoint from an epoch's end resumes on any number.
+that cannot is read from the start of its stream (records read, not decoded). Each anchor holds
+a digest of the records read at it: a seek that lands elsewhere (a Hugging Face shuffle buffer)
+is replaced by reading from the start, and a source whose records differ even then is refused
+by name. The state differs by rank and Lightning saves one rank's copy, so ``state_dict``
+gathers every process's state and each resumes from its own; the position is where Lightning
+restarts (micro-batches processed). Resuming mid-epoch on another number of ranks or workers is
+refused (the streams are sharded differently), naming both; a checkpoint from an epoch's end
+resumes on any number.
 
 **Bad input** (``on_bad_sample``): a record whose ``lengths`` fail or are out of ``[1, seq_len]``,
 or whose ``transform`` fails, is skipped and counted with its stream, position and key
@@ -48,6 +55,8 @@ from __future__ import annotations
 import copy
 import datetime
 import gc
+import hashlib
+import itertools
 import logging
 import numbers
 import warnings
@@ -73,12 +82,32 @@ __all__ = ["BAD_SAMPLE_POLICIES", "PackedStreamLoader"]
 log = logging.getLogger(__name__)
 
 BAD_SAMPLE_POLICIES = ("skip", "raise")
+OVERLONG_POLICIES = ("error", "skip")  # PackingConfig.overlong's, less "truncate"
 _END = "_stream_end"  # the key of a stream's last item: its end marker
 _KEPT_GROUPS = 64  # global-batch starts kept for ``state_at`` (a wrapper reads ahead a few)
+_CHECKED = 16  # records a resume reads at its anchor and compares with the saving run's
 
 
 def _identity(item: Any) -> Any:
     return item
+
+
+def _single_pass(source: Iterable[Any]) -> Iterator[Any]:
+    """``source``'s records through one iterator: skipping and reading go on from where the
+    other stopped even for a source whose ``__iter__`` returns itself and starts again
+    (LitData's ``StreamingDataset``), which ``enumerate(source)`` after ``iter(source)``
+    would restart."""
+    records = iter(source)
+    while True:
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        yield record
+
+
+def _digest(prints: Iterable[str]) -> str:
+    return hashlib.sha1("\n".join(prints).encode()).hexdigest()[:16]
 
 
 _GROUPS: dict[tuple[int, float], Any] = {}
@@ -134,6 +163,7 @@ class _Stream(IterableDataset):
         self.buffer = owner.buffer
         self.min_fill = owner.min_fill
         self.on_bad_sample = owner.on_bad_sample
+        self.overlong = owner.overlong
         self.key = owner.key
         self.epoch = epoch
         self.resume = resume  # stream -> {"anchor": [...], "taken": k, "ended": bool}
@@ -150,31 +180,22 @@ class _Stream(IterableDataset):
         set_epoch = getattr(self.source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self.epoch)
-        state, position, skip, seek = WindowState(), 0, 0, None
+        state, position, skip, seek, check = WindowState(), 0, 0, None, None
         if resume is not None:
-            window, position, seek = resume["anchor"]
+            window, position, seek, *rest = resume["anchor"]
             state, skip = WindowState.from_list(window), int(resume["taken"])
+            check = rest[0] if rest else None
         # packer position -> (stream position, record, tokens), while the record is buffered
         records: dict[int, tuple[int, Any, int]] = {}
         where: dict[int, int] = {}  # packer position -> stream position, for window anchors
+        prints: dict[int, str] = {}  # stream position -> the record's print, for anchors' checks
         # a source with its own state (Hugging Face's IterableDataset: state_dict after n
         # records resumes at record n) is saved every `every` records and resumed from the
         # last save before the anchor; any other source is read again from its start
         stateful = _stateful(self.source)
         every = max(1, self.buffer // 4)
         saves: deque[tuple[int, Any]] = deque()
-        read = 0
-        if seek is not None and stateful:
-            read = int(seek[0])
-            self.source.load_state_dict(seek[1])  # type: ignore[attr-defined]
-        source = iter(self.source)
-        for skipped in range(read, position):  # read again, not decoded
-            if next(source, _END) is _END:
-                raise RuntimeError(
-                    f"PackedStreamLoader: rank {self.rank}'s stream {stream} ended after"
-                    f" {skipped} records while resuming at record {position}: the source does"
-                    " not yield the same records as in the run that saved the checkpoint"
-                )
+        source = self._positioned(stream, position, seek if stateful else None, check)
         if stateful:
             saves.append((position, self._source_state()))
 
@@ -185,6 +206,7 @@ class _Stream(IterableDataset):
                 if stateful and (at + 1) % every == 0:
                     saves.append((at + 1, self._source_state()))
                 tokens = self._measure(record, stream, at, bad)
+                prints[at] = self._print(record, tokens)
                 if tokens is None:
                     continue
                 records[good] = (at, record, tokens)
@@ -196,14 +218,19 @@ class _Stream(IterableDataset):
             while len(saves) > 1 and saves[1][0] <= at:
                 saves.popleft()
             seek = list(saves[0]) if saves and saves[0][0] <= at else None
-            return [window.to_list(), at, seek]
+            for p in [p for p in prints if p < at]:
+                del prints[p]
+            # what a resume must read again at `at`: the records read since, up to _CHECKED
+            run = list(itertools.takewhile(prints.__contains__, range(at, at + _CHECKED)))
+            return [window.to_list(), at, seek, [len(run), _digest(prints[p] for p in run)]]
 
         windows = pack_stream_windows(
             measured(), self.seq_len, buffer=self.buffer, min_fill=self.min_fill, start=state
         )
-        # the first window's packs resume from its start
-        anchor = [state.to_list(), position, list(saves[0]) if saves else None]
+        anchor: list[Any] | None = None
         for window, packs in windows:
+            if anchor is None:  # the first window's packs resume from its start
+                anchor = anchor_at(state, position)
             first = window.packs_before
             for k, pack in enumerate(packs, start=first):
                 # (a skipped pack's records carried from before the anchor were never read)
@@ -219,6 +246,85 @@ class _Stream(IterableDataset):
                 del where[p]
         yield {_END: stream, "bad_samples": bad}
 
+    def _positioned(
+        self, stream: int, position: int, seek: list[Any] | None, check: list[Any] | None
+    ) -> Iterator[Any]:
+        """The source's records from stream ``position`` on, checked against ``check`` (how many
+        records the anchor read there, and their digest): a source that resumes from its own
+        saved state (``seek``) is tried first and, where what it yields there differs (a
+        shuffle buffer the state does not keep, a batched map that skips a batch) or it fails,
+        read again from its start; a source whose records differ from the saving run's even
+        then is refused, naming the stream and the position."""
+        attempts = [seek, None] if seek is not None else [None]
+        initial = self._source_state() if seek is not None else None  # the stream's start
+        found: list[str] = []
+        for attempt in attempts:
+            read = 0
+            try:
+                if attempt is not None:
+                    read = int(attempt[0])
+                    self.source.load_state_dict(copy.deepcopy(attempt[1]))  # type: ignore[attr-defined]
+                elif seek is not None:  # a failed seek: from the start of the stream again
+                    self.source.load_state_dict(initial)  # type: ignore[attr-defined]
+                records = _single_pass(self.source)
+                for skipped in range(read, position):  # read again, not decoded
+                    if next(records, _END) is _END:
+                        raise RuntimeError(
+                            f"it ended after {skipped} records while resuming at record {position}"
+                        )
+                peeked = list(itertools.islice(records, int(check[0]) if check else 0))
+            except Exception as err:
+                if attempt is None:
+                    raise self._differs(stream, position, str(err)) from err
+                log.info(
+                    "PackedStreamLoader: rank %d, stream %d: resuming from the source's own"
+                    " state failed (%s); reading the stream again from its start",
+                    self.rank,
+                    stream,
+                    err,
+                )
+                continue
+            found = [self._print(r, self._tokens(r)) for r in peeked]
+            if check is None or [len(found), _digest(found)] == list(check):
+                return itertools.chain(peeked, records)
+            if attempt is not None:
+                log.info(
+                    "PackedStreamLoader: rank %d, stream %d: the source's own state resumes at"
+                    " other records than the saving run read (a shuffle buffer or a batched"
+                    " map); reading the stream again from its start",
+                    self.rank,
+                    stream,
+                )
+        raise self._differs(
+            stream,
+            position,
+            f"the {len(found)} record(s) read there now ({', '.join(found[:4])}, ...) are not"
+            " those the saving run read there",
+        )
+
+    def _differs(self, stream: int, position: int, detail: str) -> ValueError:
+        return ValueError(
+            f"PackedStreamLoader: cannot resume rank {self.rank}'s stream {stream} at record"
+            f" {position}: {detail}. A streamed source must yield the same records in the same"
+            " order when iterated again (a shuffle needs a seed, and the loader calls the"
+            " source's `set_epoch(epoch)`; WebDataset's `.shuffle()` and an unseeded"
+            " `datasets` shuffle are not reproducible): resume from an epoch's end, or make"
+            " the source's order reproducible"
+        )
+
+    def _tokens(self, record: Any) -> int | None:
+        """``lengths(record)``'s tokens, or ``None`` where it fails (no policy applied)."""
+        try:
+            tokens = self.lengths(record)
+            return int(tokens[0] if isinstance(tokens, tuple | list) else tokens)
+        except Exception:
+            return None
+
+    def _print(self, record: Any, tokens: int | None) -> str:
+        """What identifies a record in a resume check: its tokens and its key, if any."""
+        key = self.key(record) if self.key is not None else _record_key(record)
+        return f"{tokens if tokens is not None else '?'}:{key}"
+
     def _source_state(self) -> Any:
         return copy.deepcopy(self.source.state_dict())  # type: ignore[attr-defined]
 
@@ -228,24 +334,41 @@ class _Stream(IterableDataset):
             if isinstance(tokens, tuple | list):
                 tokens = tokens[0]
             tokens = int(tokens)
-            if not 1 <= tokens <= self.seq_len:
+            if tokens < 1:
                 raise ValueError(f"{tokens} tokens, not in [1, seq_len={self.seq_len}]")
         except Exception as err:  # a bad record: the policy decides
             self._bad(record, stream, at, f"lengths: {err}", bad, err)
             return None
+        if tokens > self.seq_len:  # the map-style sampler's policy (PackingConfig.overlong)
+            reason = f"overlong: {tokens} tokens, more than seq_len={self.seq_len}"
+            if self.overlong == "error":
+                raise ValueError(
+                    f"PackedStreamLoader: {self._where(record, stream, at)}: {reason}. Pass"
+                    " `overlong='skip'` to leave such records out (counted in `bad_samples`,"
+                    " with a warning), or raise `seq_len`"
+                )
+            bad.append(self._entry(record, stream, at, reason))
+            return None
         return tokens
+
+    def _where(self, record: Any, stream: int, at: int) -> str:
+        key = self.key(record) if self.key is not None else _record_key(record)
+        return f"rank {self.rank}, stream {stream}, record {at}" + (
+            f" ({key})" if key is not None else ""
+        )
+
+    def _entry(self, record: Any, stream: int, at: int, reason: str) -> dict[str, Any]:
+        key = self.key(record) if self.key is not None else _record_key(record)
+        return {"rank": self.rank, "stream": stream, "position": at, "key": key, "reason": reason}
 
     def _bad(
         self, record: Any, stream: int, at: int, reason: str, bad: list, err: Exception
     ) -> None:
-        key = self.key(record) if self.key is not None else _record_key(record)
-        entry = {"rank": self.rank, "stream": stream, "position": at, "key": key, "reason": reason}
         if self.on_bad_sample == "raise":
             raise ValueError(
-                f"PackedStreamLoader: rank {self.rank}, stream {stream}, record {at}"
-                f"{f' ({key})' if key is not None else ''}: {reason}"
+                f"PackedStreamLoader: {self._where(record, stream, at)}: {reason}"
             ) from err
-        bad.append(entry)
+        bad.append(self._entry(record, stream, at, reason))
 
     def _collate(
         self, stream: int, k: int, items: list[tuple[int, Any, int]], anchor: list, bad: list
@@ -260,7 +383,7 @@ class _Stream(IterableDataset):
                 continue
             if tokens != said:
                 raise ValueError(
-                    f"PackedStreamLoader: rank {self.rank}, stream {stream}, record {at}: the"
+                    f"PackedStreamLoader: {self._where(record, stream, at)}: the"
                     f" decoded sample has {tokens} tokens but `lengths` said {said}; the lengths"
                     " function must count what the transform produces"
                 )
@@ -315,7 +438,11 @@ class PackedStreamLoader:
             loader then groups its packs into the Trainer's optimizer steps and, unless a
             wrapper does it (the ``"vlmbalance"`` strategies), weighs each step's loss
             (:mod:`lightning_vlmbalance.loss`) from the same all-gather.
-        on_bad_sample: ``"skip"`` (count and report) or ``"raise"``.
+        on_bad_sample: ``"skip"`` (count and report) or ``"raise"``: for a record whose
+            ``lengths`` or ``transform`` fail.
+        overlong: a record longer than ``seq_len``: ``"error"`` (the default, as the map-style
+            sampler's ``PackingConfig.overlong``) raises naming it; ``"skip"`` leaves it out,
+            counted in ``bad_samples``, with one warning.
         key: ``record -> str``, a record's name in reports (default: its ``__key__``, ``key``,
             ``id`` or ``uid`` field, if any).
         timeout_s: how long a rank waits for its peers at a global batch before it fails
@@ -342,6 +469,7 @@ class PackedStreamLoader:
         micro_steps: int = 1,
         trainer: Any = None,
         on_bad_sample: str = "skip",
+        overlong: str = "error",
         key: Callable[[Any], str] | None = None,
         timeout_s: float = 600.0,
         **dataloader_kwargs: Any,
@@ -355,6 +483,11 @@ class PackedStreamLoader:
             raise ValueError(
                 f"`PackedStreamLoader(seq_len={seq_len}, buffer={buffer},"
                 f" micro_steps={micro_steps})`: each must be >= 1"
+            )
+        if overlong not in OVERLONG_POLICIES:
+            raise ValueError(
+                f"`PackedStreamLoader(overlong={overlong!r})` must be one of {OVERLONG_POLICIES}"
+                " (a streamed record is never cut: its lengths were counted before decoding)"
             )
         check_dataloader_kwargs("PackedStreamLoader", dataloader_kwargs, "the stream packer")
         if dataloader_kwargs.get("persistent_workers"):
@@ -372,6 +505,9 @@ class PackedStreamLoader:
         self._micro_steps = int(micro_steps)
         self.trainer = trainer
         self.on_bad_sample = on_bad_sample
+        self.overlong = overlong
+        self._warned_overlong = False
+        self._warned = False  # the LitData drop_last warning, once
         self.key = key
         self.timeout_s = float(timeout_s)
         self.dataloader_kwargs = dataloader_kwargs
@@ -470,10 +606,20 @@ class PackedStreamLoader:
         epoch = self.epoch
         size, rank, copies, gradient_ranks = self._world()
         self.rank = rank
+        if size > 1 and type(self.source).__module__.startswith("litdata") and not self._warned:
+            if getattr(self.source, "drop_last", False):
+                self._warned = True
+                warnings.warn(
+                    "PackedStreamLoader: LitData's `StreamingDataset` drops the last records"
+                    " of the epoch so every rank reads as many (`drop_last=True`, its default"
+                    " under several ranks): they are never trained. This loader ends the ranks"
+                    " together itself: pass `StreamingDataset(..., drop_last=False)`",
+                    stacklevel=3,
+                )
         state = self._fresh_state()
         offset = 0
         if self._resume is not None:
-            saved, self._resume = self._resume, None
+            saved, self._resume = self._own_state(self._resume), None
             if saved["epoch"] == epoch and saved.get("finished"):
                 self._iter_epoch, self._start, self._delivered = epoch, saved["position"], 0
                 return  # the checkpoint's epoch was trained to its end
@@ -508,27 +654,33 @@ class PackedStreamLoader:
         first = state["position"] == 0
         next_group = [int(state["position"])]  # epoch position of the next global batch
         # packs read from this rank's streams and not trained yet, each with the merge's state
-        # before it was read (a checkpoint resumes the streams there); up to two shares: the
-        # second is what a rank can hand to peers whose streams ended (the tail of the epoch)
-        hand: deque[tuple[dict[str, Any], dict[str, Any]]] = deque()
-        # tensor parallel peers read the same packs: they pad, they never hand packs around
+        # before it was read (a checkpoint resumes the streams there): this rank's share and
+        # what it can hand to peers whose streams ended (the tail of the epoch); tensor
+        # parallel peers read the same packs: they pad, they never hand packs around
         lend = copies == 1
-        width = 2 + 2 * G  # gathered per rank: packs in hand, any read, each pack's loss tokens
+        hand: deque[tuple[dict[str, Any], dict[str, Any]]] = deque()
+        # packs a rank reads ahead for the next global batch: every rank computes it from the
+        # same agreement (the width of the next one), a resume from its checkpoint
+        ahead = [int(state.get("hand", hand_size(G, size, 0, lend)))]
 
         def take() -> tuple[dict[str, Any], Any, torch.Tensor]:
-            while len(hand) < (2 * G if lend else G):
+            ended = False
+            while len(hand) < ahead[0]:
                 before = merged.snapshot()
                 pack = next(merged, None)
                 if pack is None:
+                    ended = True
                     break
                 hand.append((pack, before))
             snapshot = hand[0][1] if hand else merged.snapshot()
-            snapshot = {**snapshot, "position": next_group[0]}
+            snapshot = {**snapshot, "position": next_group[0], "hand": ahead[0]}
             next_group[0] += G
+            # gathered per rank: packs in hand, any read, streams ended, each pack's loss tokens
+            width = 3 + ahead[0]
             local = torch.zeros(width, dtype=torch.int64)
-            local[0], local[1] = len(hand), int(merged.any_read)
+            local[0], local[1], local[2] = len(hand), int(merged.any_read), int(ended)
             for k, (pack, _) in enumerate(hand):
-                local[2 + k] = int(pack["loss_tokens"])
+                local[3 + k] = int(pack["loss_tokens"])
             if group is None:
                 return snapshot, None, local
             gathered = torch.zeros(size * copies * width, dtype=torch.int64)
@@ -546,7 +698,7 @@ class PackedStreamLoader:
                         f"PackedStreamLoader: rank {rank} could not agree on the next global"
                         f" batch with its peers (a peer stopped or failed?): {err}"
                     ) from err
-            table = gathered.view(-1, width)
+            table = gathered.view(size * copies, -1)
             counts = table[:, 0].tolist()
             if sum(counts) == 0:  # no rank has a pack: the epoch ends everywhere
                 self._report_bad(merged.leftover_bad)
@@ -562,15 +714,24 @@ class PackedStreamLoader:
             if first and int(table[:, 1].min()) == 0:
                 self._empty_rank(epoch, table[:, 1], [p for p, _ in hand], copies)
                 return
+            if first:
+                self._check_split([p for p, _ in hand], group, copies)
             first = False
-            used, moves = tail_plan(counts, G) if lend else ([min(c, G) for c in counts], [])
+            # until every rank's streams have ended, a global batch is G micro-steps on every
+            # rank (Lightning steps the optimizer every G): lent packs, then padding
+            final = bool(table[:, 2].min())
+            if lend:
+                used, moves = tail_plan(counts, G, final=final)
+            else:
+                used, moves = [min(c, G) for c in counts], []
+            ahead[0] = hand_size(G, size, int(table[:, 2].sum()) // copies, lend)
             # this rank's packs of the global batch: its own first, then those its peers hand it
             mine = [hand.popleft()[0] for _ in range(used[rank])]
             own = used[rank] - sum(1 for src, _, _ in moves if src == rank)
             kept, lent = mine[:own], mine[own:]
             received = self._exchange(moves, lent, rank, own, G, group) if moves else {}
             packs = kept + [received[(src, k)] for src, k, dst in moves if dst == rank]
-            tokens = sum(int(table[r, 2 : 2 + used[r]].sum()) for r in range(len(counts)))
+            tokens = sum(int(table[r, 3 : 3 + used[r]].sum()) for r in range(len(counts)))
             for pack in packs:
                 if pack["meta"]["sample_ids"]:
                     template = pack["pixel_values"][:0].clone()
@@ -581,7 +742,7 @@ class PackedStreamLoader:
             self._groups.append((snapshot["position"], snapshot))
             # a rank short of packs pads to the longest share (the ranks step together; a
             # stream that ended on every rank ends with a shorter last step, as Lightning's)
-            longest = max(trained_counts(used, moves))
+            longest = max(trained_counts(used, moves)) if final else G
             packs += [self._padding(template) for _ in range(longest - len(packs))]
             if self.weigh_steps:
                 total = tokens // copies
@@ -598,6 +759,45 @@ class PackedStreamLoader:
                 self._delivered += 1
                 yield pack
             offset = 0
+
+    def _check_split(self, packs: list[dict[str, Any]], group: Any, copies: int) -> None:
+        """Warns, naming a record, where the first packs of two streams (workers) or of two
+        ranks hold the same record key: a source that does not split itself across
+        ``DataLoader`` workers (or a Hugging Face stream without ``split_dataset_by_node``)
+        trains every record once per worker (or rank). One gather of keys per epoch."""
+        seen: dict[str, int] = {}
+        twice = None
+        for pack in packs:
+            for key in pack["meta"]["keys"]:
+                stream = int(pack["meta"]["stream"])
+                if key is not None and seen.setdefault(key, stream) != stream and twice is None:
+                    twice = key
+        if twice is not None:
+            warnings.warn(
+                f"PackedStreamLoader: record {twice!r} comes from two DataLoader workers of"
+                f" rank {self.rank} (streams {sorted(set(seen.values()))}): the source does not"
+                " split itself across workers (each would train every record); shard it by"
+                " `torch.utils.data.get_worker_info()`",
+                stacklevel=4,
+            )
+        if group is None:  # (every rank gathers, whatever it found: no unpaired collective)
+            return
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, sorted(seen), group=group)
+        owner: dict[str, int] = {}
+        for rank, keys in enumerate(everyone):
+            if rank % copies:  # a tensor-parallel peer reads the same packs
+                continue
+            for key in keys:
+                if owner.setdefault(key, rank) != rank:
+                    warnings.warn(
+                        f"PackedStreamLoader: record {key!r} is read by processes {owner[key]}"
+                        f" and {rank}: the source does not split itself across ranks (each"
+                        " would train every record); shard it by rank (Hugging Face:"
+                        " `datasets.distributed.split_dataset_by_node`)",
+                        stacklevel=4,
+                    )
+                    return
 
     def _exchange(
         self,
@@ -645,6 +845,15 @@ class PackedStreamLoader:
         for entry in entries:
             if (entry["rank"], entry["stream"], entry["position"]) not in known:
                 self.bad_samples.append(entry)
+                if entry["reason"].startswith("overlong") and not self._warned_overlong:
+                    self._warned_overlong = True
+                    warnings.warn(
+                        f"PackedStreamLoader(overlong='skip'): rank {entry['rank']}, stream"
+                        f" {entry['stream']}, record {entry['position']} ({entry['key']}) is"
+                        f" left out: {entry['reason']}; every such record is counted in"
+                        " `bad_samples` (warned once)",
+                        stacklevel=3,
+                    )
 
     def _padding(self, template: torch.Tensor | None) -> dict[str, Any]:
         """A pack without samples (no tokens to learn: weight 0); its empty ``pixel_values``
@@ -686,21 +895,44 @@ class PackedStreamLoader:
         return self._start if self._iter_epoch == self.epoch else 0
 
     def _position(self) -> int:
-        if self.trainer is not None and self.trainer.training and self._weighed_by is None:
-            # Lightning fetches one batch ahead of a loader without a length: what it trained
-            return seam.micro_batch_index(self.trainer)
+        if self.trainer is not None and self._weighed_by is None and self._iter_epoch == self.epoch:
+            # where Lightning resumes a checkpoint saved now (it fetches one batch ahead of a
+            # loader without a length; at validation or on an exception, that batch was not
+            # trained), in every stage of the fit
+            return seam.resume_position(self.trainer)
         return self._start + self._delivered
 
     def state_dict(self) -> dict[str, Any]:
         return self.state_at(self._position())
 
     def state_at(self, position: int) -> dict[str, Any]:
-        """The state that resumes at ``position`` (packs of this epoch handed out and trained)
-        of the pass in progress."""
-        size = self._world()[0]
+        """The state that resumes every rank at ``position`` (packs of this epoch handed out and
+        trained on each rank) of the pass in progress.
+
+        A stream's state differs by rank (where each of its streams stands), and Lightning
+        writes one rank's copy, which every rank loads: so every rank's state is gathered here
+        (one all-gather of small objects on the world group: Lightning saves a checkpoint on
+        every rank at the same point) and each rank resumes from its own entry.
+        """
+        world = data_parallel_world(self.trainer.strategy if self.trainer is not None else None)
+        own = self._rank_state(position, world.size)
+        states: list[Any] = [own]
+        if world.world_size > 1 and dist.is_available() and dist.is_initialized():
+            states = [None] * world.world_size
+            dist.all_gather_object(states, own)
+        return {
+            "epoch": self.epoch,
+            "ranks": world.size,
+            "streams": self.streams,
+            "processes": len(states),
+            "per_rank": states,
+        }
+
+    def _rank_state(self, position: int, size: int) -> dict[str, Any]:
+        """This rank's own state at ``position`` (see :meth:`state_at`)."""
         base = {"epoch": self.epoch, "ranks": size, "streams": self.streams}
         if self._resume is not None:  # restored, not iterated yet: keep what was restored
-            return dict(self._resume)
+            return self._own_state(self._resume)
         if self._pending or self._iter_epoch != self.epoch or not self._groups:
             return {**base, "finished": self._iter_epoch == self.epoch, "position": 0}
         start, snapshot = None, None
@@ -716,24 +948,58 @@ class PackedStreamLoader:
             return {**base, "finished": True, "position": start}
         return {**base, "group": copy.deepcopy(snapshot), "offset": position - start}
 
+    def _own_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """This process's entry of a state saved by :meth:`state_at` (every process's)."""
+        if "per_rank" not in saved:  # one rank's state (an older checkpoint)
+            return dict(saved)
+        states = saved["per_rank"]
+        world = data_parallel_world(self.trainer.strategy if self.trainer is not None else None)
+        if len(states) != world.world_size and any("group" in s for s in states):
+            raise ValueError(
+                f"cannot resume the PackedStreamLoader mid-epoch {saved['epoch']}: the"
+                f" checkpoint was saved by {len(states)} process(es) and this run has"
+                f" {world.world_size}; a streamed source is sharded by rank and worker, so the"
+                " remaining records of the epoch cannot be found on other shards. Resume with"
+                " the same ranks and num_workers, or from a checkpoint saved at an epoch's end"
+                " (any number)"
+            )
+        return dict(states[min(world.global_rank, len(states) - 1)])
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume = dict(state_dict)
         self.sampler.set_epoch(int(state_dict["epoch"]))
 
 
-def tail_plan(counts: list[int], G: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+_MAX_SHARES = 8  # a rank reads ahead at most this many global batches' shares (memory)
+
+
+def hand_size(G: int, ranks: int, ended: int, lend: bool = True) -> int:
+    """Packs a rank reads ahead for a global batch of ``G`` micro-steps when ``ended`` of the
+    ``ranks`` ranks' streams have ended: its own share and one share to lend, or one share for
+    each rank that ended (up to every rank's, and at most :data:`_MAX_SHARES` shares), so the
+    last ranks with data fill every rank's micro-steps; ``G`` alone where packs are not lent."""
+    if not lend or ranks < 2:
+        return G
+    return G * min(ranks, _MAX_SHARES, 1 + max(1, ended))
+
+
+def tail_plan(
+    counts: list[int], G: int, *, final: bool = True
+) -> tuple[list[int], list[tuple[int, int, int]]]:
     """Which packs of each rank's hand a global batch trains, and which change rank.
 
-    ``counts[r]``: the packs rank ``r`` holds (its next share of ``G``, and up to ``G`` more).
-    The global batch gives every rank ``m = min(G, ceil(sum(counts) / ranks))`` packs where it
-    can: each rank trains its own first ``min(counts[r], m)``, and where a rank has fewer (its
-    streams ended), ranks with more hand over their next packs, in rank order. Before the tail
-    ``m = G`` and nothing moves; the last global batch is as short as the packs left allow.
+    ``counts[r]``: the packs rank ``r`` holds (its next share of ``G``, and what it can lend:
+    :func:`hand_size`). The global batch gives every rank ``m`` packs where it can: each rank
+    trains its own first ``min(counts[r], m)``, and where a rank has fewer (its streams ended),
+    ranks with more hand over their next packs, in rank order. ``m = G`` until the ``final``
+    global batch (every rank's streams ended: the hands are all that is left), which is as short
+    as the packs left allow, ``min(G, ceil(sum(counts) / ranks))``; a rank still short of ``m``
+    pads (every global batch but the last is one whole optimizer step of ``G`` micro-steps).
     Returns ``used[r]`` (packs taken from the front of rank ``r``'s hand) and the moves
     ``(source rank, index in its hand, destination rank)``. Every rank computes the same plan
     from the same counts.
     """
-    m = min(G, -(-sum(counts) // max(1, len(counts))))
+    m = min(G, -(-sum(counts) // max(1, len(counts)))) if final else G
     keep = [min(c, m) for c in counts]
     used = list(keep)
     lenders = [(r, k) for r, c in enumerate(counts) for k in range(m, c)]

@@ -66,7 +66,7 @@ from lightning_vlmbalance.packing.plan import (
     check_length_table,
 )
 from lightning_vlmbalance.packing.stream import pack_stream
-from lightning_vlmbalance.packing.streaming import tail_plan, trained_counts
+from lightning_vlmbalance.packing.streaming import hand_size, tail_plan, trained_counts
 from lightning_vlmbalance.synthetic import LengthTable
 
 __all__ = [
@@ -384,17 +384,23 @@ def stream_padding_share(counts: Sequence[int], G: int) -> float:
     """The share of an epoch's micro-batches that are padding packs when rank ``r``'s streams
     give ``counts[r]`` packs: global batch by global batch as ``PackedStreamLoader`` runs it
     (:func:`~lightning_vlmbalance.packing.streaming.tail_plan`: ranks whose streams ended
-    take packs from the others, up to ``G`` each; a rank still short pads to the longest)."""
+    take packs from the others, up to ``G`` each, read ahead by :func:`~lightning_vlmbalance.
+    packing.streaming.hand_size`; until every rank's streams ended a rank still short pads to
+    ``G``, in the last global batch to the longest)."""
     left = list(counts)
     slots = padding = 0
+    ahead = hand_size(G, len(left), 0)
     while sum(left):
-        hand = [min(c, 2 * G) for c in left]
-        used, moves = tail_plan(hand, G)
+        hand = [min(c, ahead) for c in left]
+        ended = [c < ahead for c in left]  # a rank knows its streams ended once it reads past
+        final = all(ended)
+        used, moves = tail_plan(hand, G, final=final)
         trained = trained_counts(used, moves)
-        longest = max(trained)
+        longest = max(trained) if final else G
         slots += longest * len(left)
         padding += longest * len(left) - sum(trained)
         left = [c - u for c, u in zip(left, used)]
+        ahead = hand_size(G, len(left), sum(ended))
     return padding / slots if slots else 0.0
 
 

@@ -64,7 +64,7 @@ def test_a_checkpoint_of_a_finished_epoch_resumes_with_nothing_left_and_the_next
     loader = _loader()
     packs = list(loader)
     state = loader.state_at(len(packs))
-    assert state["finished"]
+    assert state["processes"] == 1 and state["per_rank"][0]["finished"]
     resumed = _loader()
     resumed.load_state_dict(state)
     assert list(resumed) == []
@@ -72,7 +72,7 @@ def test_a_checkpoint_of_a_finished_epoch_resumes_with_nothing_left_and_the_next
     assert _keys(list(resumed)) == _keys(packs)  # no shuffle in this source: the same order
     # the policy on another number of ranks or workers: an epoch's end resumes on any number
     other = _loader(num_workers=2)
-    other.load_state_dict(dict(state, ranks=4, streams=3))
+    other.load_state_dict(_with_own(state, ranks=4, streams=3))
     assert list(other) == []  # the saved epoch was finished
     other.sampler.set_epoch(1)
     assert sorted(int(k) for ks in _keys(list(other)) for k in ks) == list(range(len(RECORDS)))
@@ -122,11 +122,22 @@ def test_settings_are_checked_and_a_mid_epoch_state_does_not_resume_on_other_sha
     other.load_state_dict(state)
     with pytest.raises(ValueError, match=r"1 rank\(s\) x 1 stream\(s\).* 1 x 2"):
         next(iter(other))
-    ranks = dict(state, ranks=2)  # as if saved by 2 ranks
+    ranks = _with_own(state, ranks=2)  # as if saved by 2 ranks
     other = _loader()
     other.load_state_dict(ranks)
     with pytest.raises(ValueError, match="cannot resume the PackedStreamLoader mid-epoch"):
         next(iter(other))
+    # every process's state is saved: one saved by two processes is not resumed by one
+    two = {**state, "processes": 2, "per_rank": state["per_rank"] * 2}
+    other = _loader()
+    other.load_state_dict(two)
+    with pytest.raises(ValueError, match=r"saved by 2 process\(es\) and this run has 1"):
+        next(iter(other))
+
+
+def _with_own(state: dict, **changes) -> dict:
+    """``state`` (every process's, as ``state_at`` saves it) with its one entry changed."""
+    return {**state, "per_rank": [dict(state["per_rank"][0], **changes)]}
 
 
 def test_padding_packs_carry_no_loss_and_keep_the_pixel_shape() -> None:
@@ -193,3 +204,138 @@ def test_a_source_with_its_own_state_resumes_near_the_anchor_without_rereading_t
     # not the whole stream up to the checkpoint
     assert source.pulled < len(RECORDS) // 2
     assert source.start > 0
+
+
+class _ItsOwnIterator(stream_data.ShardedRecords):
+    """A source whose ``__iter__`` returns itself and starts again from its first record, as
+    LitData's ``StreamingDataset`` does."""
+
+    def __iter__(self):
+        self.next = self.lo
+        return self
+
+    def __next__(self):
+        if self.next >= self.hi:
+            raise StopIteration
+        self.next += 1
+        return self.records[self.next - 1]
+
+
+def test_a_source_that_is_its_own_iterator_resumes_where_it_stopped_not_at_its_start() -> None:
+    """Skipping to the anchor and reading on go through one iterator: a second ``iter()`` of a
+    source that returns itself would start it again (every record read twice)."""
+    packs = list(_loader(source=_ItsOwnIterator(RECORDS)))
+    for position in (3, len(packs) // 2, len(packs) - 2):
+        first = _loader(source=_ItsOwnIterator(RECORDS))
+        assert _keys(list(first)) == _keys(packs)
+        state = first.state_at(position)
+        resumed = _loader(source=_ItsOwnIterator(RECORDS))
+        resumed.load_state_dict(state)
+        assert _keys(list(resumed)) == _keys(packs[position:]), position
+
+
+class _Unseeded(stream_data.ShardedRecords):
+    """A new order on every pass (an unseeded shuffle)."""
+
+    def __init__(self, records) -> None:
+        super().__init__(records)
+        self.rng = np.random.default_rng()
+
+    def __iter__(self):
+        yield from (self.records[i] for i in self.rng.permutation(len(self.records)))
+
+
+def test_a_source_whose_order_is_not_reproducible_is_refused_at_the_resume_by_name() -> None:
+    """Nothing is silently trained twice or never: the anchor's records are compared with
+    those the saving run read there."""
+    loader = _loader(source=_Unseeded(RECORDS))
+    packs = list(loader)
+    state = loader.state_at(len(packs) // 2)
+    resumed = _loader(source=_Unseeded(RECORDS))
+    resumed.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"cannot resume rank 0's stream 0 at record \d+: the"):
+        list(resumed)
+
+
+class _LossySeek(_Seekable):
+    """A source whose own state resumes elsewhere than where it was saved (the shuffle buffer a
+    Hugging Face state does not keep), or fails to load (``fail``)."""
+
+    def __init__(self, records, fail: bool = False) -> None:
+        super().__init__(records)
+        self.fail = fail
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.fail and state["next"]:
+            raise IndexError("list index out of range")
+        self.start = state["next"] + 3 if state["next"] else 0
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_source_whose_own_state_resumes_elsewhere_is_read_again_from_its_start(fail) -> None:
+    """A seek whose records differ from the saving run's at the anchor (or fails) falls back to
+    reading the stream from its start: exact for a seeded shuffle."""
+    first = _loader(source=_LossySeek(RECORDS))
+    packs = list(first)
+    position = len(packs) - 6
+    source = _LossySeek(RECORDS, fail=fail)
+    resumed = _loader(source=source)
+    resumed.load_state_dict(first.state_at(position))
+    assert _keys(list(resumed)) == _keys(packs[position:])
+    assert source.start == 0  # read from the start
+
+
+def test_an_overlong_record_is_an_error_by_default_or_skipped_counted_and_warned_once() -> None:
+    """The map-style sampler's policy and default (``overlong="error"``) on the stream too."""
+    records = [dict(r) for r in RECORDS[:60]]
+    for i in (4, 9):
+        records[i]["text"] = np.ones(SEQ_LEN + 1, dtype=np.int32)
+    with pytest.raises(ValueError, match=r"stream 0, record 4 \(4\): overlong: \d+ tokens"):
+        list(_loader(records))
+    loader = _loader(records, overlong="skip")
+    with pytest.warns(UserWarning, match="overlong='skip'") as caught:
+        keys = [int(k) for ks in _keys(list(loader)) for k in ks]
+    assert len([w for w in caught if "overlong" in str(w.message)]) == 1
+    assert sorted(keys) == sorted(set(range(60)) - {4, 9})
+    assert sorted(b["key"] for b in loader.bad_samples) == ["4", "9"]
+    with pytest.raises(ValueError, match="overlong"):
+        _loader(overlong="truncate")
+
+
+@pytest.mark.parametrize(
+    ("counts", "G", "final", "used", "moves"),
+    [
+        # four ranks, three of them ended, the last one still reading: whole steps of G, lent
+        (
+            [8, 0, 0, 0],
+            2,
+            False,
+            [8, 0, 0, 0],
+            [(0, 2, 1), (0, 3, 1), (0, 4, 2), (0, 5, 2), (0, 6, 3), (0, 7, 3)],
+        ),
+        # not enough to lend yet: a global batch is still G on every rank (padding), not 1
+        ([4, 0, 0, 0], 2, False, [4, 0, 0, 0], [(0, 2, 1), (0, 3, 1)]),
+        ([4, 0, 0, 0], 2, True, [4, 0, 0, 0], [(0, 1, 1), (0, 2, 2), (0, 3, 3)]),
+    ],
+)
+def test_before_the_last_global_batch_every_rank_trains_whole_steps(
+    counts, G, final, used, moves
+) -> None:
+    from lightning_vlmbalance.packing.streaming import hand_size, tail_plan, trained_counts
+
+    assert tail_plan(counts, G, final=final) == (used, moves)
+    if not final:
+        assert max(trained_counts(used, moves)) == G  # the others pad to G
+    assert hand_size(2, 4, 0) == 4 and hand_size(2, 4, 3) == 8 and hand_size(2, 2, 1) == 4
+
+
+class _NotSplit(stream_data.ShardedRecords):
+    """Every worker reads every record: a source that ignores ``get_worker_info``."""
+
+    def __iter__(self):
+        yield from self.records[self.lo : self.hi]
+
+
+def test_a_source_that_does_not_split_across_workers_is_named_in_a_warning() -> None:
+    with pytest.warns(UserWarning, match=r"record '0' comes from two DataLoader workers"):
+        list(_loader(RECORDS[:60], source=_NotSplit(RECORDS[:60]), num_workers=2))
