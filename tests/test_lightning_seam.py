@@ -152,3 +152,41 @@ def test_a_wrapped_worker_init_fn_keeps_lightnings_seeding(monkeypatch) -> None:
     _WorkersIgnoreSigterm.install(mine, rank=0)
     _WorkersIgnoreSigterm.install(mine, rank=0)  # once
     assert mine.worker_init_fn.init_fn is own
+
+
+def test_resume_position_is_where_lightning_restarts_a_checkpoint_saved_at_that_point(
+    tmp_path,
+) -> None:
+    """The position a loader saves is the micro-batches the loop processed: inside a training
+    step the current one is not counted (an exception there runs it again), at its
+    ``on_train_batch_end`` it is (Lightning counts it done when it restarts from there), and at
+    a mid-epoch validation every trained batch is, not the one read ahead."""
+    from examples.vlm import ToyVLM
+
+    seen: dict[str, list[int]] = {"step": [], "batch_end": [], "validation": []}
+
+    class Model(ToyVLM):
+        def training_step(self, batch, batch_idx):
+            seen["step"].append(seam.resume_position(self.trainer))
+            return super().training_step(batch, batch_idx)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen["batch_end"].append(seam.resume_position(self.trainer))
+
+        def validation_step(self, batch, batch_idx):
+            if batch_idx == 0:
+                seen["validation"].append(seam.resume_position(self.trainer))
+
+    trainer = cpu_trainer(
+        [],
+        steps=3,
+        accumulate_grad_batches=2,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+    )
+    model = Model(**SMALL_VLM, max_positions=128)
+    trainer.fit(model, packed_loader(trainer), val_dataloaders=packed_loader(trainer))
+    assert seen["step"] == [0, 1, 2, 3, 4, 5]
+    assert seen["batch_end"] == [1, 2, 3, 4, 5, 6]
+    assert seen["validation"][:2] == [2, 4]
