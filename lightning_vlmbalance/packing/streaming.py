@@ -966,6 +966,15 @@ class PackedStreamLoader:
         return dict(states[min(world.global_rank, len(states) - 1)])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resumes from :meth:`state_at`'s state. A state saved once its epoch was trained to the
+        end (at the last micro-batch, or at the epoch's end) resumes at the next epoch's start:
+        Lightning goes on with that epoch, and reads its first batch from the iterator it made
+        before calling ``set_epoch``."""
+        states = state_dict.get("per_rank", [state_dict])
+        if all(s.get("finished") for s in states):
+            self._resume = None
+            self.sampler.set_epoch(int(state_dict["epoch"]) + 1)
+            return
         self._resume = dict(state_dict)
         self.sampler.set_epoch(int(state_dict["epoch"]))
 

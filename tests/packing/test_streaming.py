@@ -60,21 +60,22 @@ def test_every_record_is_packed_once_and_a_resume_at_any_position_continues_the_
         assert _keys(list(resumed)) == _keys(packs[position:]), position
 
 
-def test_a_checkpoint_of_a_finished_epoch_resumes_with_nothing_left_and_the_next_is_fresh() -> None:
+def test_a_checkpoint_of_a_finished_epoch_resumes_at_the_next_epochs_start() -> None:
+    """Lightning goes on with the next epoch after a checkpoint saved at an epoch's last
+    micro-batch or end, reading its first batch before it calls ``set_epoch``: the loader is at
+    that epoch already."""
     loader = _loader()
     packs = list(loader)
     state = loader.state_at(len(packs))
     assert state["processes"] == 1 and state["per_rank"][0]["finished"]
     resumed = _loader()
     resumed.load_state_dict(state)
-    assert list(resumed) == []
-    resumed.sampler.set_epoch(1)
+    assert resumed.epoch == 1
     assert _keys(list(resumed)) == _keys(packs)  # no shuffle in this source: the same order
     # the policy on another number of ranks or workers: an epoch's end resumes on any number
     other = _loader(num_workers=2)
     other.load_state_dict(_with_own(state, ranks=4, streams=3))
-    assert list(other) == []  # the saved epoch was finished
-    other.sampler.set_epoch(1)
+    assert other.epoch == 1
     assert sorted(int(k) for ks in _keys(list(other)) for k in ks) == list(range(len(RECORDS)))
 
 
@@ -339,3 +340,54 @@ class _NotSplit(stream_data.ShardedRecords):
 def test_a_source_that_does_not_split_across_workers_is_named_in_a_warning() -> None:
     with pytest.warns(UserWarning, match=r"record '0' comes from two DataLoader workers"):
         list(_loader(RECORDS[:60], source=_NotSplit(RECORDS[:60]), num_workers=2))
+
+
+def test_a_fit_resumed_from_its_epochs_last_micro_batch_trains_the_next_epoch_whole(
+    tmp_path,
+) -> None:
+    """A real ``Trainer``: a checkpoint written at the last micro-batch of epoch 0 resumes with
+    epoch 1 trained whole (the loader had ended epoch 0; Lightning reads epoch 1's first batch
+    from the iterator it made before ``set_epoch``, where an empty epoch 0 lost all of it)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from examples.vlm import SMALL_VLM, ToyVLM
+
+    records = RECORDS[:120]
+
+    class Model(ToyVLM):
+        def __init__(self) -> None:
+            super().__init__(**SMALL_VLM, max_positions=SEQ_LEN)
+            self.seen: list[tuple[int, list[str]]] = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append((self.current_epoch, list(batch["meta"]["keys"])))
+            return super().training_step(batch, batch_idx)
+
+        def train_dataloader(self):
+            source = stream_data.ShardedRecords(records)
+            return _loader(records, source=source, buffer=16, trainer=self.trainer)
+
+    def fit(ckpt=None) -> Model:
+        L.seed_everything(0, verbose=False)
+        model = Model()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=2,
+            accumulate_grad_batches=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[
+                ModelCheckpoint(tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+            ],
+        )
+        trainer.fit(model, ckpt_path=ckpt)
+        return model
+
+    full = fit()
+    epoch0 = [keys for e, keys in full.seen if e == 0]
+    step = -(-len(epoch0) // 2)  # the optimizer step of epoch 0's last micro-batch
+    resumed = fit(str(tmp_path / f"step={step}.ckpt"))
+    assert resumed.seen == [s for s in full.seen if s[0] == 1] and resumed.seen
