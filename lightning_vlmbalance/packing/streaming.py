@@ -729,6 +729,10 @@ class PackedStreamLoader:
             mine = [hand.popleft()[0] for _ in range(used[rank])]
             own = used[rank] - sum(1 for src, _, _ in moves if src == rank)
             kept, lent = mine[:own], mine[own:]
+            # the counters as they stood before this global batch (a resume into it repeats it)
+            snapshot["lent"] = self.lent_packs
+            snapshot["bad_samples"] = list(self.bad_samples)
+            snapshot["padding"], snapshot["packs"] = self.padding_packs, self.packs
             received = self._exchange(moves, lent, rank, own, G, group) if moves else {}
             packs = kept + [received[(src, k)] for src, k, dst in moves if dst == rank]
             tokens = sum(int(table[r, 3 : 3 + used[r]].sum()) for r in range(len(counts)))
@@ -736,9 +740,6 @@ class PackedStreamLoader:
                 if pack["meta"]["sample_ids"]:
                     template = pack["pixel_values"][:0].clone()
             current = take()  # the next global batch's agreement runs while this one trains
-            snapshot["bad_samples"] = list(self.bad_samples)
-            snapshot["padding"], snapshot["packs"] = self.padding_packs, self.packs
-            snapshot["lent"] = self.lent_packs
             self._groups.append((snapshot["position"], snapshot))
             # a rank short of packs pads to the longest share (the ranks step together; a
             # stream that ended on every rank ends with a shorter last step, as Lightning's)
@@ -748,14 +749,14 @@ class PackedStreamLoader:
                 total = tokens // copies
                 weigh_step(packs, global_loss_tokens=total, ranks=gradient_ranks, micro_steps=G)
             for i, pack in enumerate(packs):
-                if i < offset:
-                    continue
                 meta = pack["meta"]
                 self._report_bad(meta.pop("bad_samples", []))
                 if meta["padding"]:
                     self.padding_packs += 1
                 else:
                     self.packs += 1
+                if i < offset:  # trained before the checkpoint (counted as then)
+                    continue
                 self._delivered += 1
                 yield pack
             offset = 0

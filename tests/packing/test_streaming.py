@@ -58,6 +58,8 @@ def test_every_record_is_packed_once_and_a_resume_at_any_position_continues_the_
         resumed = _loader(num_workers=num_workers)
         resumed.load_state_dict(state)
         assert _keys(list(resumed)) == _keys(packs[position:]), position
+        # the epoch's counts as the uninterrupted pass's (a resume inside a global batch too)
+        assert (resumed.packs, resumed.padding_packs) == (loader.packs, loader.padding_packs)
 
 
 def test_a_checkpoint_of_a_finished_epoch_resumes_at_the_next_epochs_start() -> None:
