@@ -649,6 +649,12 @@ class PackedDataLoader:
             if self._resume_epoch == epoch:
                 start = self._resume_at
             self._resume_epoch = None
+        weighed = self.weigh_steps and self._training()
+        # a resume inside an optimizer step (a checkpoint at a mid-epoch validation or on an
+        # exception) reads the step from its first pack again: its loss weight counts the
+        # tokens of the whole step; the packs trained before the checkpoint are not handed on
+        lead = start % int(self.trainer.accumulate_grad_batches) if weighed else 0
+        start -= lead
         self._iter_epoch, self._start, self._delivered = epoch, start, 0
         refs = self.sampler.pack_refs(start, epoch=plan_epoch)
         with self._refs_lock:
@@ -676,11 +682,12 @@ class PackedDataLoader:
                 **self.dataloader_kwargs,
             )
         batches: Iterable[dict[str, Any]] = self._inner
-        if self.weigh_steps and self.trainer is not None and self.trainer.training:
+        if weighed:
             batches = self._weighted_steps(self.trainer, start)
         for batch in batches:
             self._delivered += 1
-            yield batch
+            if self._delivered > lead:
+                yield batch
 
     def read_position(self) -> int | None:
         """How far into this rank's packs of the epoch the inner ``DataLoader`` has asked for
