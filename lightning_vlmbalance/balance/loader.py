@@ -286,6 +286,10 @@ class RebalancingLoader:
         self._pass: _Pass | None = None  # the overlapped pass in progress
         self._pass_start: int | None = None  # inner position where this pass started
         self._yielded = 0
+        # a resume inside an optimizer step: the inner loader starts at the step's first batch,
+        # the step is formed whole again, and this rank's first `_lead` batches of it (trained
+        # before the checkpoint) are not handed on
+        self._lead = 0
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -361,6 +365,10 @@ class RebalancingLoader:
         for batch in batches:
             if self._pass_start is None:  # the inner loader resolves its start at first next()
                 self._pass_start = self._inner_start()
+            if self._lead:  # trained before the checkpoint this pass resumes from
+                self._lead -= 1
+                self._pass_start += 1
+                continue
             self._yielded += 1
             event = self._ready_events.pop(id(batch), None)
             if event is not None:  # received on the GPU: the consumer's stream waits for it
@@ -376,9 +384,13 @@ class RebalancingLoader:
         return optimizer_steps(
             self.loader,
             micro_steps=self.micro_steps,
-            start=self.epoch_position or self._inner_start,
+            start=self._step_start if self.epoch_position is not None else self._inner_start,
             stop=self.epoch_batches,
         )
+
+    def _step_start(self) -> int:
+        """The training loop's position, less the batches of a resumed step trained before."""
+        return int(self.epoch_position()) - self._lead  # type: ignore[misc]
 
     def _inner_start(self) -> int:
         """Where the inner loader's pass started: a resumable source says, any other loader
@@ -685,12 +697,22 @@ class _ResumableRebalancingLoader(RebalancingLoader):
             return source.state_dict()
         if self.epoch_position is not None:
             # the training loop's own count: it fetches one batch ahead of a loader without a
-            # length (a streamed one), which this loader has yielded but nobody trained
-            return source.state_at(int(self.epoch_position()))
+            # length (a streamed one), which this loader has yielded but nobody trained. Inside
+            # an optimizer step (a mid-epoch validation, an exception) the inner loader resumes
+            # at the step's start: the global batch is planned and weighed whole again
+            position = int(self.epoch_position())
+            lead = position % self.micro_steps
+            state = source.state_at(position - lead)
+            return {**state, _LEAD: lead} if lead else state
         return source.state_at(self._pass_start + self._yielded)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state_dict)  # type: ignore[attr-defined]
+        state = dict(state_dict)
+        self._lead = int(state.pop(_LEAD, 0))
+        self.loader.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+_LEAD = "rebalanced_step_lead"  # batches of the resumed optimizer step trained before
 
 
 def image_payload_fields(batch: dict[str, Any]) -> dict[str, tuple[torch.Tensor, np.ndarray]]:

@@ -25,7 +25,8 @@ and ``litdata``; strategies ``ddp``, ``vlmbalance`` in modes ``off``, ``sync``, 
 ``encoder`` (``overlap`` with encoder balancing) and ``fsdp`` (``fsdp_vlmbalance``, ``overlap``);
 2 and 4 ranks.
 
-Default run (CI), five cells, about three minutes on a 2-core machine (two launches at a time)::
+Default run (CI), five cells, 3 to 5 minutes on this 2-core machine (3:01 idle, 4:52 beside other
+jobs; two launches at a time)::
 
     mapstyle-ddp-2   generic-overlap-2   hf_shuffled-sync-2   litdata-encoder-2   generic-fsdp-4
 
@@ -47,8 +48,14 @@ padding, loss_weight, loss_tokens]``):
   per epoch;
 * the failing fit trained exactly the reference's micro-batches before the failure.
 
-Each position is checked to be what it claims (beyond the first window, inside the tail, inside
-the epoch), so a change of the data cannot make a test vacuous.
+Equal means equal in every field, the loss weight too, also for the rest of an optimizer step a
+resume lands inside (``val``): the guarantee of ``docs/streaming.md`` ("trains exactly the
+uninterrupted run's packs, loss weights and steps"), which the streamed loaders under ``ddp``
+keep there.
+
+Each position is checked to be what it claims (beyond the first two windows, inside the tail,
+inside the epoch, the validation at the step its checkpoint names), so a change of the data
+cannot make a test vacuous.
 """
 
 from __future__ import annotations
