@@ -42,8 +42,10 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.context as mpc
+import os
 import signal
 import sys
+import threading
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -375,25 +377,34 @@ class Rebalancer:
 
 
 class _WorkersIgnoreSigterm:
-    """A DataLoader ``worker_init_fn``: ignores SIGTERM in the worker, then runs the loader's own
-    (the user's, Lightning's seeding).
+    """A DataLoader ``worker_init_fn``: the worker ignores a SIGTERM that its parent did not send,
+    then the loader's own ``worker_init_fn`` runs (the user's, Lightning's seeding).
 
     SLURM at the time limit and ``kill`` of a process group signal every process, DataLoader
     workers included; torch's worker handler dies of a SIGTERM that its parent did not send, and
     the main process then raises "DataLoader worker ... killed" wherever it is, not the agreed
     stop. Ignoring it leaves the decision to the main process, which ends its workers as at the
     end of any pass (torch's watchdog ends them if the main process is gone).
+
+    A SIGTERM from the parent still ends the worker, as torch's handler does (exit status 0):
+    Python's exit handler stops daemonic processes that way (``multiprocessing`` terminates and
+    joins them at interpreter exit, where torch no longer shuts its workers down itself), so a
+    worker that ignored every SIGTERM kept its rank waiting forever after ``fit`` (persistent
+    workers, or an iterator a traceback still held). The sender is known only to
+    ``sigwaitinfo``: SIGTERM stays blocked in the worker and a thread waits for it.
     """
 
     def __init__(self, init_fn: Any) -> None:
         self.init_fn = init_fn
 
     def __call__(self, worker_id: int) -> None:
-        # a no-op handler, not SIG_IGN: a program the worker execs gets the default back
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)
-        # the worker was started with SIGTERM blocked (_sigterm_blocked_start): one sent since
-        # is delivered now, to the no-op handler
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        # blocked in every thread (a worker started by _sigterm_blocked_start has it blocked
+        # already; the threads started from here inherit the mask): only the waiting thread
+        # takes it, with its sender. One sent since the fork is still pending and taken now.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        threading.Thread(
+            target=_take_sigterm, args=(os.getppid(),), name="vlmbalance-worker-sigterm", daemon=True
+        ).start()
         if self.init_fn is not None:
             self.init_fn(worker_id)
 
@@ -414,6 +425,16 @@ class _WorkersIgnoreSigterm:
         # to the process group would kill one. Workers start with SIGTERM blocked instead.
         if inner.num_workers > 0:
             inner.multiprocessing_context = _sigterm_blocked_start(inner.multiprocessing_context)
+
+
+def _take_sigterm(parent: int) -> None:
+    """A DataLoader worker's SIGTERM, taken by a thread: from the parent, the worker ends (exit
+    status 0, as torch's own handler does); from anyone else (a signal to the process group),
+    nothing happens."""
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent:
+            os._exit(0)
 
 
 class _BlockSigtermAtStart:

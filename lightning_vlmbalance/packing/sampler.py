@@ -761,6 +761,18 @@ class PackedDataLoader:
             yield from step
 
     @property
+    def _iterator(self) -> Any:
+        """The inner ``DataLoader``'s persistent iterator (``persistent_workers=True``): Lightning
+        shuts its workers down at the end of ``fit`` (and of a validation run) through it, as it
+        does for a ``DataLoader``."""
+        return None if self._inner is None else self._inner._iterator
+
+    @_iterator.setter
+    def _iterator(self, value: Any) -> None:
+        if self._inner is not None:
+            self._inner._iterator = value
+
+    @property
     def worker_init_fn(self) -> Any:
         """The inner ``DataLoader``'s; Lightning sets it for ``seed_everything(workers=True)``."""
         return self.dataloader_kwargs.get("worker_init_fn")

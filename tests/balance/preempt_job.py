@@ -50,6 +50,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 import lightning_vlmbalance as vb
+from examples.train import ReadAheadLoader
 from examples.vlm import ToyVLM
 from lightning_vlmbalance.synthetic import synthetic_length_table
 from tests.packing.lightning_job import SMALL_VLM, Data
@@ -57,7 +58,7 @@ from tests.packing.lightning_job import SMALL_VLM, Data
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = "tests.balance.preempt_job"
 EXCHANGE_THREAD = "vlmbalance-exchange"
-TARGETS = ("both", "rank0", "group")
+TARGETS = ("both", "rank0", "group", "end")  # "end": no signal, the fit ends (--max-steps)
 SIGTERM_EXIT = 128 + signal.SIGTERM  # the status a scheduler reads as "terminated" (143)
 CHILD_WAIT_S = 30.0
 RANKS = (0, 1)
@@ -111,6 +112,29 @@ class PreemptRecorder(L.Callback):
         (self.out / f"exception{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+class WorkerData(Data):
+    """The job's data: ``Data`` with persistent workers or the main job's read-ahead thread
+    (``examples.train.ReadAheadLoader``) when asked."""
+
+    def __init__(self, table: Any, seq_len: int, num_workers: int, persistent: bool) -> None:
+        super().__init__(table, seq_len, num_workers)
+        self.persistent, self.read_ahead = persistent, 0
+
+    @override
+    def train_dataloader(self) -> vb.PackedDataLoader:
+        loader = super().train_dataloader()
+        kwargs = dict(loader.dataloader_kwargs)
+        if self.persistent:
+            kwargs["persistent_workers"] = True
+        if not (self.persistent or self.read_ahead):
+            return loader
+        cls = ReadAheadLoader if self.read_ahead else vb.PackedDataLoader
+        extra = {"read_ahead": self.read_ahead} if self.read_ahead else {}
+        return cls(
+            loader.dataset, loader.sampler, loader.collate_fn, trainer=self.trainer, **extra, **kwargs
+        )
+
+
 def _write_exit(path: Path, fit: dict[str, Any], launched: list[subprocess.Popen]) -> None:
     """At interpreter exit (non-daemon threads already joined): which threads are still alive,
     and (rank 0) the exit status of the ranks its launcher started, once they are gone."""
@@ -133,12 +157,19 @@ def _write_exit(path: Path, fit: dict[str, Any], launched: list[subprocess.Popen
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--strategy", default="vlmbalance", choices=("vlmbalance", "ddp"))
+    p.add_argument(
+        "--strategy", default="vlmbalance", choices=("vlmbalance", "fsdp_vlmbalance", "ddp")
+    )
     p.add_argument("--mode", default="overlap", choices=("overlap", "sync", "off"))
     p.add_argument("--accumulate", type=int, default=4)
     p.add_argument("--samples", type=int, default=600)
     p.add_argument("--epochs", type=int, default=1000, help="never reached in a trial")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
+    p.add_argument("--persistent-workers", action="store_true")
+    p.add_argument(
+        "--read-ahead", type=int, default=0, help="the main job's read-ahead thread (packs)"
+    )
+    p.add_argument("--max-steps", type=int, default=-1, help="a fit that ends (target 'end')")
     p.add_argument("--devices", type=int, default=2)
     args = p.parse_args()
     out = Path(args.out)
@@ -159,11 +190,14 @@ def main() -> None:
     strategy: Any = "ddp"
     if args.strategy == "vlmbalance":
         strategy = vb.VLMBalanceStrategy(mode=args.mode)
+    elif args.strategy == "fsdp_vlmbalance":
+        strategy = vb.FSDPVLMBalanceStrategy(config=vb.RebalanceConfig(mode=args.mode))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
         max_epochs=args.epochs,
+        max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
         logger=False,
         enable_checkpointing=False,
@@ -173,7 +207,11 @@ def main() -> None:
     )
     model = ToyVLM(**SMALL_VLM, max_positions=seq_len)
     try:
-        trainer.fit(model, datamodule=Data(table, seq_len, args.num_workers))
+        data = WorkerData(table, seq_len, args.num_workers, args.persistent_workers)
+        data.read_ahead = args.read_ahead
+        trainer.fit(model, datamodule=data)
+        # the fit returned (target "end"): from here every process must be gone within a bound
+        (out / f"fitend{rank}.json").write_text(json.dumps({"time": time.time()}))
     except BaseException as err:
         fit["raised"] = type(err).__name__
         fit["exit_code"] = err.code if isinstance(err, SystemExit) else 1
@@ -231,6 +269,21 @@ def _wait_training(out: Path, proc: subprocess.Popen, timeout_s: float) -> dict[
     )
 
 
+def _wait_fit_end(out: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Waits until every rank's ``trainer.fit`` has returned (its ``fitend`` file)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all((out / f"fitend{r}.json").exists() for r in RANKS):
+            return
+        if proc.poll() is not None and not (out / "fitend0.json").exists():
+            raise RuntimeError(
+                f"the job exited with {proc.returncode} before its fit ended:\n"
+                f"{_tail(out / 'stderr')}"
+            )
+        time.sleep(0.05)
+    raise TimeoutError(f"the fit did not end within {timeout_s} s:\n{_tail(out / 'stderr')}")
+
+
 def main_thread_stack(stacks: str, lines: int = 30) -> str:
     """The innermost ``lines`` frames of the main thread in a ``faulthandler`` dump (which lists
     threads newest first, each frame innermost first)."""
@@ -258,10 +311,15 @@ def run_trial(
     delay_s: float = 0.0,
     accumulate: int = 4,
     num_workers: int = 0,
+    persistent_workers: bool = False,
+    read_ahead: int = 0,
+    max_steps: int = 8,
     cap_s: float = 40.0,
     startup_timeout_s: float = 180.0,
 ) -> dict[str, Any]:
     """Launches the job, stops it with SIGTERM ``delay_s`` after both ranks train, and measures.
+    With ``target="end"`` no signal is sent: the fit ends after ``max_steps`` optimizer steps,
+    and the times count from when the last rank's ``fit`` returned.
 
     Returns a JSON-able dict: ``stop_s`` (per rank, seconds from the signal until its process
     was gone; ``None`` if still alive at ``cap_s``), ``exit_status`` (per rank: rank 0's as the
@@ -286,6 +344,9 @@ def run_trial(
     env["PYTHONPATH"] = str(ROOT)
     args = ["--out", str(out), "--strategy", strategy, "--mode", mode]
     args += ["--accumulate", str(accumulate), "--num-workers", str(num_workers)]
+    args += ["--read-ahead", str(read_ahead)] + ["--persistent-workers"] * persistent_workers
+    if target == "end":
+        args += ["--max-steps", str(max_steps)]
     with (out / "stdout").open("w") as stdout, (out / "stderr").open("w") as stderr:
         # a session of its own: rank 1 is in it too, so one killpg cleans up whatever happens
         proc = subprocess.Popen(
@@ -300,6 +361,8 @@ def run_trial(
         pids = _wait_training(out, proc, startup_timeout_s)
         time.sleep(delay_s)
         batches_at_signal = {r: _tail(out / f"step{r}", 100) for r in RANKS}
+        if target == "end":  # the clock starts when the last rank's fit has returned
+            _wait_fit_end(out, proc, startup_timeout_s)
         sent, sent_wall = time.monotonic(), time.time()
         if target == "group":  # every process of the job, DataLoader workers included
             os.killpg(proc.pid, signal.SIGTERM)
@@ -334,7 +397,7 @@ def run_trial(
     exit_status = {0: proc.returncode, **{r: launched.get(str(r)) for r in RANKS[1:]}}
     result: dict[str, Any] = {
         "strategy": strategy,
-        "mode": mode if strategy == "vlmbalance" else None,
+        "mode": mode if strategy != "ddp" else None,
         "target": target,
         "delay_s": round(delay_s, 3),
         "batches_at_signal": batches_at_signal,
@@ -344,6 +407,8 @@ def run_trial(
         "to_exception_s": {r: _since(exceptions[r], sent_wall) for r in RANKS},
         "to_atexit_s": {r: _since(exits[r], sent_wall) for r in RANKS},
         "num_workers": num_workers,
+        "persistent_workers": persistent_workers,
+        "read_ahead": read_ahead,
         "rank0_returncode": proc.returncode,
         "exit_status": exit_status,
         "left_in_group": left_in_group,

@@ -62,24 +62,30 @@ def signal_delays(seed: int, trials: int, max_delay_s: float = MAX_DELAY_S) -> l
 
 
 def _problems(res: dict[str, Any]) -> list[str]:
-    """What a trial did wrong, each as one line (with the stacks of a hung rank)."""
+    """What a trial did wrong, each as one line (with the stacks of a hung rank). A trial of
+    target ``"end"`` (no signal: the fit ends) must exit with status 0 and no exception."""
+    ended = res["target"] == "end"
+    event = "its fit ended" if ended else "SIGTERM"
     where = f"delay {res['delay_s']} s, batches at signal {res['batches_at_signal']}"
     problems = []
     for r in RANKS:
         stop = res["stop_s"][r]
         if stop is None:  # its stacks follow; no exception or exit file yet, of course
-            problems.append(f"rank {r} hung: still alive {CAP_S} s after SIGTERM")
+            problems.append(f"rank {r} hung: still alive {CAP_S} s after {event}")
             continue
         if stop > STOP_BOUND_S:
-            problems.append(f"rank {r} exited {stop} s after SIGTERM (bound {STOP_BOUND_S} s)")
+            problems.append(f"rank {r} exited {stop} s after {event} (bound {STOP_BOUND_S} s)")
         exception = res["exceptions"][r]
-        if exception is None or not exception["sigterm"]:
+        if ended and exception is not None:
+            problems.append(f"rank {r} left fit with {exception['type']}")
+        if not ended and (exception is None or not exception["sigterm"]):
             kind = exception and f"{exception['type']} raised at {exception['raised_at'][-1]}"
             problems.append(f"rank {r} left fit with {kind}, expected SIGTERMException")
         if res["exits"][r] is None:
             problems.append(f"rank {r} wrote no exit file (killed?)")
-        if res["exit_status"][r] != SIGTERM_EXIT:
-            problems.append(f"rank {r} exited with status {res['exit_status'][r]}, not 143")
+        expected = 0 if ended else SIGTERM_EXIT
+        if res["exit_status"][r] != expected:
+            problems.append(f"rank {r} exited with status {res['exit_status'][r]}, not {expected}")
     if exchange_thread_left(res):
         problems.append(f"a {EXCHANGE_THREAD!r} thread was alive at exit: {res['exits']}")
     if res["left_in_group"]:
@@ -90,56 +96,87 @@ def _problems(res: dict[str, Any]) -> list[str]:
     return message
 
 
-# every mode and every target once; VLMBALANCE_PREEMPT_ALL=1 runs all 9 combinations
-CASES = (
-    [(m, t) for m in ("overlap", "sync", "off") for t in TARGETS]
-    if os.environ.get("VLMBALANCE_PREEMPT_ALL")
-    else [
-        ("overlap", "both"),
-        ("overlap", "rank0"),
-        ("overlap", "group"),
-        ("sync", "both"),
-        ("off", "both"),
-    ]
-)
 # a signal to the process group reaches the DataLoader workers too: the job runs with some
 GROUP_WORKERS = 2
 
 
-def _seed(mode: str, target: str) -> int:
-    return zlib.crc32(f"{mode}-{target}".encode())
+def _case(
+    mode: str,
+    target: str,
+    strategy: str = "vlmbalance",
+    persistent: bool = False,
+    read_ahead: int = 0,
+) -> tuple[str, dict[str, Any]]:
+    """A case's name and its ``run_trial`` arguments (workers for a group signal or with
+    persistent workers)."""
+    workers = GROUP_WORKERS if target == "group" or persistent else 0
+    name = "-".join(
+        [mode, target]
+        + ["fsdp"] * (strategy == "fsdp_vlmbalance")
+        + ["persistent"] * persistent
+        + [f"ahead{read_ahead}"] * bool(read_ahead)
+    )
+    kwargs = {
+        "strategy": strategy,
+        "mode": mode,
+        "target": target,
+        "num_workers": workers,
+        "persistent_workers": persistent,
+        "read_ahead": read_ahead,
+    }
+    return name, kwargs
+
+
+# every mode and every target once, and the worker set-ups that once kept processes alive
+# (persistent workers, the main job's read-ahead thread, fsdp_vlmbalance);
+# VLMBALANCE_PREEMPT_ALL=1 runs every signal target in every mode and every worker set-up
+_WORKER_SETUPS = [
+    {"persistent": True},
+    {"persistent": True, "read_ahead": 2},
+    {"read_ahead": 2},
+    {"strategy": "fsdp_vlmbalance"},
+    {"strategy": "fsdp_vlmbalance", "persistent": True},
+]
+CASES = dict(
+    [_case(m, t) for m in ("overlap", "sync", "off") for t in TARGETS if t != "end"]
+    + [_case("overlap", t, **w) for t in ("group", "end") for w in _WORKER_SETUPS]
+    if os.environ.get("VLMBALANCE_PREEMPT_ALL")
+    else [
+        _case("overlap", "both"),
+        _case("overlap", "rank0"),
+        _case("overlap", "group"),
+        _case("sync", "both"),
+        _case("off", "both"),
+        _case("overlap", "group", persistent=True, read_ahead=2),
+        _case("overlap", "group", strategy="fsdp_vlmbalance", persistent=True),
+        _case("overlap", "end", persistent=True),
+        _case("overlap", "end", strategy="fsdp_vlmbalance", persistent=True, read_ahead=2),
+    ]
+)
 
 
 @pytest.fixture(scope="module")
 def trials(request, tmp_path_factory) -> dict:
-    """Every trial of every selected case (``@pytest.mark.jobs``), two at a time: ``{(mode,
-    target, i): run_trial's result, or the exception it raised}``."""
+    """Every trial of every selected case (``@pytest.mark.jobs``), two at a time: ``{(case,
+    i): run_trial's result, or the exception it raised}``."""
     root = tmp_path_factory.mktemp("preemption")
     calls = {}
-    for mode, target in selected(request, {f"{m}-{t}": (m, t) for m, t in CASES}).values():
-        for i, delay_s in enumerate(signal_delays(_seed(mode, target), TRIALS)):
-            calls[mode, target, i] = functools.partial(
-                run_trial,
-                root / f"{mode}-{target}" / f"trial{i}",
-                strategy="vlmbalance",
-                mode=mode,
-                target=target,
-                delay_s=delay_s,
-                num_workers=GROUP_WORKERS if target == "group" else 0,
-                cap_s=CAP_S,
+    for name, kwargs in selected(request, CASES).items():
+        for i, delay_s in enumerate(signal_delays(zlib.crc32(name.encode()), TRIALS)):
+            calls[name, i] = functools.partial(
+                run_trial, root / name / f"trial{i}", delay_s=delay_s, cap_s=CAP_S, **kwargs
             )
     return run_calls(calls)
 
 
-@pytest.mark.parametrize(
-    ("mode", "target"), [pytest.param(m, t, marks=pytest.mark.jobs(f"{m}-{t}")) for m, t in CASES]
-)
-def test_sigterm_stops_every_rank(trials, mode: str, target: str) -> None:
+@pytest.mark.parametrize("case", [pytest.param(n, marks=pytest.mark.jobs(n)) for n in CASES])
+def test_sigterm_stops_every_rank(trials, case: str) -> None:
     """SIGTERM (to both ranks, to rank 0 only, or to the job's process group with DataLoader
-    workers) ends every rank via SIGTERMException in 10 s, with exit status 143."""
+    workers) ends every rank via SIGTERMException in 10 s, with exit status 143; a fit that ends
+    (persistent workers, read-ahead, fsdp_vlmbalance) leaves no process 10 s after ``fit``."""
     failures = []
-    for i in range(len(signal_delays(_seed(mode, target), TRIALS))):
-        res = result_of(trials, (mode, target, i))
+    for i in range(len(signal_delays(zlib.crc32(case.encode()), TRIALS))):
+        res = result_of(trials, (case, i))
         if problems := _problems(res):
             failures.append(f"trial {i}:\n" + "\n".join(problems))
     assert not failures, "\n".join(failures)
