@@ -33,6 +33,9 @@ attribute disappears or changes meaning):
                                                             loader has no ``worker_init_fn``
 ``ModelParallelStrategy._data_parallel_size`` /             the mesh sizes as given (``"auto"``):
 ``_tensor_parallel_size``                                   ``fsdp_vlmbalance`` decides them first
+``Strategy._forward_redirection`` (reads                    a term added to ``training_step``'s
+``training_step`` off the module at call time)              loss inside DDP's forward, where DDP
+                                                            finds its unused parameters
 ==========================================================  =======================================
 
 Several listeners can share one loop point: :func:`loop_seam` installs one dispatcher per point
@@ -43,6 +46,7 @@ only its own listener.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -59,6 +63,7 @@ from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.connectors.data_connector import (
     _parse_num_batches,
     _process_dataloader,
@@ -71,6 +76,7 @@ __all__ = [
     "SUPPORTED_LIGHTNING",
     "LoopSeam",
     "add_lightning_worker_init_fn",
+    "adding_to_training_loss",
     "check_lightning",
     "ddp_comm_hook",
     "epoch_to_train",
@@ -139,6 +145,10 @@ def _problems() -> tuple[str, ...]:
         problems.append("Lightning no longer adds its `worker_init_fn` after `process_dataloader`")
     if "worker_init_fn is None" not in inspect.getsource(_auto_add_worker_init_fn):
         problems.append("`_auto_add_worker_init_fn` no longer keeps a loader's `worker_init_fn`")
+    if "getattr(original_module, method_name)" not in inspect.getsource(
+        _ForwardRedirection.__call__
+    ):
+        problems.append("`_ForwardRedirection` no longer reads the method at call time")
     return tuple(problems)
 
 
@@ -380,3 +390,37 @@ def set_model_parallel_sizes(
 def in_backward() -> bool:
     """Whether autograd is running a backward pass in this thread (a checkpoint recompute)."""
     return torch._C._current_graph_task_id() != -1
+
+
+# -- training_step's loss -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def adding_to_training_loss(module: Any, extra: Callable[[], torch.Tensor | None]) -> Any:
+    """Within: the loss ``module.training_step`` returns (a tensor, or a dict's ``"loss"``) gets
+    ``extra()`` added (when not ``None``). The strategy's forward redirection reads
+    ``training_step`` off the module when DDP's forward runs, so the term is part of DDP's
+    forward output, from which ``find_unused_parameters=True`` finds the parameters without a
+    gradient (a term added after it would reach parameters DDP already marked unused)."""
+    original = module.training_step
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        term = extra()
+        if term is None:
+            return out
+        if isinstance(out, torch.Tensor):
+            return out + term.to(out.dtype)
+        if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+            return {**out, "loss": out["loss"] + term.to(out["loss"].dtype)}
+        return out
+
+    # what Lightning reads of the method (``self.log`` looks for ``dataloader_iter`` in its
+    # signature); no ``__wrapped__``: under torch.compile, dynamo fails to follow one to a
+    # bound method
+    training_step.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    module.training_step = training_step
+    try:
+        yield
+    finally:
+        module.__dict__.pop("training_step", None)

@@ -29,7 +29,8 @@ batch: its plan and exchange are done by then):
 ``balance/exposed_exchange_ms``     time the training loop waited for the global batch
 ``balance/encoder_moved_images``    with ``encoder=True``: images encoded on another rank than
                                     their pack's, over the last global batch (all ranks)
-``balance/encoder_bytes``           their pixel bytes (all ranks)
+``balance/encoder_bytes``           the image bytes rank 0 received to encode (rank 0's
+                                    alone: no collective counts the others')
 ``balance/source_balanced``         1 when the sampler balanced the batch at the source
                                     (``PackingSampler(balance=...)``: nothing moves); absent
                                     when packs are exchanged
@@ -69,6 +70,7 @@ from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.calibration import OnlineCalibrator
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.balance.encoder import begin_micro_batch, returns_zero
 from lightning_vlmbalance.balance.loader import RebalancingLoader
 from lightning_vlmbalance.packing.sampler import PackedDataLoader
 from lightning_vlmbalance.packing.streaming import PackedStreamLoader
@@ -403,7 +405,10 @@ class _WorkersIgnoreSigterm:
         # takes it, with its sender. One sent since the fork is still pending and taken now.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         threading.Thread(
-            target=_take_sigterm, args=(os.getppid(),), name="vlmbalance-worker-sigterm", daemon=True
+            target=_take_sigterm,
+            args=(os.getppid(),),
+            name="vlmbalance-worker-sigterm",
+            daemon=True,
         ).start()
         if self.init_fn is not None:
             self.init_fn(worker_id)
@@ -524,9 +529,24 @@ class _RebalancingProperties:
         return dataloader
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        # encoder balancing: every rank enters the backward of each return of embeddings (an
+        # all_to_all), also when the model left them out of its loss (a pack without image
+        # tokens whose model skips the embeddings): a zero of them joins the loss, inside
+        # DDP's forward (automatic optimization), or at the backward (manual)
+        begin_micro_batch()
+        if self.rebalancer.config.encoder:
+            with seam.adding_to_training_loss(self.lightning_module, returns_zero):  # type: ignore[attr-defined]
+                out = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        else:
+            out = super().training_step(*args, **kwargs)  # type: ignore[misc]
         self.rebalancer.log_stats()
         return out
+
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        zero = returns_zero()  # what training_step's loss did not take (manual optimization)
+        if zero is not None:
+            closure_loss = closure_loss + zero.to(closure_loss.dtype)
+        return super().backward(closure_loss, *args, **kwargs)  # type: ignore[misc]
 
     def teardown(self) -> None:
         self.rebalancer.teardown()

@@ -28,6 +28,7 @@ else). Without a route (balancing off) :func:`encode_images` is the plain encode
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,21 @@ class ImageRoute:
     keep: list[int]
     send: list[list[int]]
     recv_sizes: list[list[int]]
+    # prepared with the route, off the step path (the step only indexes with them; numpy under
+    # torch.compile's tracing gave an uninitialised permutation): the kept images' rows in the
+    # pack's image rows, and the permutation that puts [kept rows, returned rows] in pack order
+    kept_index: torch.Tensor | None = None
+    home_index: torch.Tensor | None = None
+    # a few of the pack's own image values as the loader made them, ``{field: (positions,
+    # values)}``: preprocessing that changes them before the encoder is refused
+    # (:func:`check_unchanged`)
+    probe: dict[str, tuple[list[int], list[float]]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kept_index is None:
+            kept = self.kept_rows(self.own_sizes)
+            self.kept_index = torch.from_numpy(kept)
+            self.home_index = torch.from_numpy(_home_permutation(self, kept))
 
     @property
     def moved_images(self) -> int:
@@ -156,59 +172,210 @@ def encode_images(
 
     Args:
         encoder: called as ``encoder(pixel_values, image_cu_seqlens, image_max_seqlen)`` on
-            rows of whole images (attention within each image), returning one embedding row
-            per image token (per row of ``pixel_values``).
+            rows of whole images (attention within each image), returning one tensor with one
+            embedding row per image token (per row of ``pixel_values``).
         batch: a packed batch; with an ``encoder_route`` (encoder balancing on) the encoder
             runs on this rank's planned set and the embeddings travel back.
 
+    With a route, the encoder sees the pack's kept images and the images received from other
+    ranks as the loader made them: preprocessing of ``pixel_values`` belongs in ``encoder``
+    (or the dataset / collate function), where it reaches every image; preprocessing of the
+    batch before this call reaches this rank's own images only, and is refused by name. The
+    encoder must treat each image alone (no BatchNorm over the batch: warned).
+
+    Under ``torch.compile`` the encoder call is compiled; the route's bookkeeping and the
+    return's ``all_to_all`` run eagerly (graph breaks around them).
+
     Raises:
         ValueError: if the encoder's output does not have one row per input row (naming the
-            encoder and both counts).
+            encoder and both counts); if ``pixel_values`` changed between the loader and this
+            call under a route (preprocessing that only this rank's own images would get).
+        TypeError: if the encoder returns something other than one tensor.
     """
-    pixels = batch["pixel_values"]
     route: ImageRoute | None = batch.get("encoder_route")
     if route is None:
-        out = encoder(pixels, batch["image_cu_seqlens"], batch["image_max_seqlen"])
+        pixels = batch["pixel_values"]
+        out = _one_tensor(
+            encoder, encoder(pixels, batch["image_cu_seqlens"], batch["image_max_seqlen"])
+        )
         check_rows(encoder, out, int(pixels.shape[0]), int(pixels.shape[0]))
         return out
+    local, cu, max_seqlen = _local_set(encoder, route, batch)
+    out = _one_tensor(encoder, encoder(local, cu, max_seqlen))
+    check_rows(encoder, out, int(local.shape[0]), int(local.shape[0]))
+    return return_home(route, out)
+
+
+@torch.compiler.disable
+def _local_set(
+    encoder: Any, route: ImageRoute, batch: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """This rank's images to encode under ``route``: the pack's kept images' rows, then the
+    received ones, with their ``cu_seqlens`` and longest image (eager under torch.compile)."""
+    pixels = batch["pixel_values"]
     if route.rows != int(pixels.shape[0]):
         raise ValueError(
             f"encoder_route: the pack's images have {route.rows} rows but pixel_values has"
             f" {int(pixels.shape[0])}"
         )
+    check_unchanged(route, "pixel_values", pixels)
+    warn_batch_norm(encoder)
     received = batch["encoder_fields"]["pixel_values"].to(device=pixels.device, dtype=pixels.dtype)
-    kept = route.kept_rows(route.own_sizes)
-    local = torch.cat([pixels.index_select(0, _index(kept, pixels)), received])
+    kept = route.kept_index.to(pixels.device, non_blocking=True)  # type: ignore[union-attr]
+    local = torch.cat([pixels.index_select(0, kept), received])
     local_sizes = route.local_sizes
     cu = torch.zeros(len(local_sizes) + 1, dtype=torch.int32)
     if local_sizes:
         cu[1:] = torch.cumsum(torch.tensor(local_sizes, dtype=torch.int32), 0)
-    out = encoder(local, cu.to(pixels.device), max(local_sizes, default=0))
-    check_rows(encoder, out, sum(local_sizes), int(local.shape[0]))
-    return return_home(route, out)
+    return local, cu.to(pixels.device), max(local_sizes, default=0)
 
 
+def _one_tensor(encoder: Any, out: Any) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            f"the vision encoder {type(encoder).__name__} returned a {type(out).__name__}:"
+            " `encode_images` needs one tensor with a row per image token; pass a function"
+            " that picks it (e.g. `lambda *a: encoder(*a)[0]`)"
+        )
+    return out
+
+
+# preprocessing is code, the same at every step: the first calls of a process are checked
+# (each check reads a few values back from the device)
+_CHECKS_LEFT = [16]
+
+
+def probe_fields(fields: dict[str, tuple[torch.Tensor, Any]], count: int = 32) -> dict:
+    """``{name: (positions, values)}``: ``count`` values of each floating-point image field,
+    spread over the tensor, as the loader made it (for :func:`check_unchanged`)."""
+    probe = {}
+    for name, (tensor, _) in fields.items():
+        if not tensor.is_floating_point() or not tensor.numel():
+            continue
+        flat = tensor.detach().reshape(-1)
+        positions = np.unique(np.linspace(0, flat.numel() - 1, count).astype(np.int64))
+        values = flat.index_select(0, torch.from_numpy(positions)).double().tolist()
+        probe[name] = (positions.tolist(), values)
+    return probe
+
+
+def check_unchanged(route: ImageRoute, name: str, tensor: torch.Tensor) -> None:
+    """Refuses a pack's image field that changed between the loader and the encoder (beyond a
+    cast's rounding) under encoder balancing: the images received from other ranks are encoded
+    as the loader made them, so preprocessing applied to the batch would reach this rank's own
+    images only (the parameters then differ from DDP's)."""
+    probe = (route.probe or {}).get(name)
+    if probe is None or _CHECKS_LEFT[0] <= 0:
+        return
+    _CHECKS_LEFT[0] -= 1
+    positions, loaded = probe
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() <= positions[-1]:
+        now = None
+    else:
+        index = torch.tensor(positions, dtype=torch.int64, device=flat.device)
+        now = flat.index_select(0, index).double().cpu().numpy()
+    ref = np.asarray(loaded)
+    scale = float(np.abs(ref).max(initial=0.0))
+    if now is not None and np.all(np.abs(now - ref) <= 1e-2 * np.abs(ref) + 1e-6 * scale):
+        return
+    what = (
+        f"has {flat.numel()} values, the loader made {positions[-1] + 1} or more"
+        if now is None
+        else f"value {positions[int(np.argmax(np.abs(now - ref)))]} is"
+        f" {now[int(np.argmax(np.abs(now - ref)))]:.6g}, the loader made"
+        f" {ref[int(np.argmax(np.abs(now - ref)))]:.6g}"
+    )
+    raise ValueError(
+        f"encoder balancing: the pack's image field {name!r} changed between the loader and"
+        f" the encoder ({what}). Preprocessing applied to the batch (in"
+        " `on_after_batch_transfer` or `training_step`) reaches only this rank's own images;"
+        " the images received from other ranks are encoded as the loader made them, and the"
+        " model would learn something else than under DDP. Preprocess inside the encoder given"
+        " to `encode_images` (it runs on every image this rank encodes), or in the dataset or"
+        " collate function"
+    )
+
+
+_WARNED_BATCH_NORM: set[int] = set()
+
+
+def warn_batch_norm(encoder: Any) -> None:
+    """Warns (once per encoder) when ``encoder`` has a BatchNorm layer in training mode: its
+    statistics mix the images of one call, and encoder balancing changes which images share a
+    call, so the result is not the one of encoding at home."""
+    if id(encoder) in _WARNED_BATCH_NORM or not isinstance(encoder, torch.nn.Module):
+        return
+    _WARNED_BATCH_NORM.add(id(encoder))
+    norms = [
+        name or type(encoder).__name__
+        for name, m in encoder.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+    ]
+    if norms:
+        warnings.warn(
+            f"encoder balancing: the vision encoder {type(encoder).__name__} has BatchNorm in"
+            f" training mode ({', '.join(norms[:3])}): its batch statistics mix the images"
+            " encoded together, and balancing changes which images those are, so the"
+            " parameters will not equal DDP's. Encoder balancing reproduces DDP for encoders"
+            " that treat each image alone (LayerNorm, attention within each image); use"
+            " `eval()` BatchNorm, GroupNorm or LayerNorm, or turn `encoder` off",
+            stacklevel=3,
+        )
+
+
+# returns whose backward (an ``all_to_all`` every rank of the group enters) must run even if the
+# model leaves their embeddings out of its loss: the strategy adds a zero of them to the loss
+_RETURNS: list[torch.Tensor] = []
+
+
+def begin_micro_batch() -> None:
+    """Forgets the returns of a micro-batch that had no backward (the strategy calls it before
+    each training step)."""
+    _RETURNS.clear()
+
+
+def returns_zero() -> torch.Tensor | None:
+    """A scalar zero that depends on every return of this micro-batch (``None``: none), so that
+    the backward of each return runs on every rank, whatever the model did with the
+    embeddings (a pack whose embeddings the model uses only when it has image tokens)."""
+    if not _RETURNS:
+        return None
+    zero = sum(r.sum() for r in _RETURNS) * 0.0
+    _RETURNS.clear()
+    return zero
+
+
+@torch.compiler.disable
 def return_home(route: ImageRoute, out: torch.Tensor) -> torch.Tensor:
     """The pack's own image rows, in the pack's image order, from ``out``: the rows this rank
     encoded (its kept images in ``keep`` order, then the received images in the route's
     order, ``route.local_sizes``), after the received images' rows are sent back to their
     owners and the own images encoded elsewhere come back (one ``all_to_all``, with autograd:
     its backward sends the gradients the other way). Every rank of the route's group must call
-    it, with or without images."""
+    it, with or without images; under autograd the strategy makes every rank run its backward
+    too (:func:`returns_zero`). Eager under torch.compile."""
     sizes = np.asarray(route.own_sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    kept_rows = route.kept_rows(route.own_sizes)
-    sent = np.asarray([i for per_rank in route.send for i in per_rank], dtype=np.int64)
     send_back = [sum(per_rank) for per_rank in route.recv_sizes]  # to each image's owner
     expect = [int(sizes[per_rank].sum()) for per_rank in route.send]  # from each encoder
-    n = len(kept_rows)
+    n = len(route.kept_index)  # type: ignore[arg-type]
     returned = _ReturnEmbeddings.apply(out[n:], send_back, expect, _GROUPS.get(route.group))
+    if returned.requires_grad:
+        _RETURNS.append(returned)
     # [kept images' rows, returned rows] -> the pack's own row order, in one gather (its
-    # backward one scatter). ``returned`` always joins it, even with no row: its backward (a
-    # collective every rank of the group must enter) then runs on every rank
+    # backward one scatter). ``returned`` always joins it, even with no row
+    home = route.home_index.to(out.device, non_blocking=True)  # type: ignore[union-attr]
+    return torch.cat([out[:n], returned]).index_select(0, home)
+
+
+def _home_permutation(route: ImageRoute, kept_rows: np.ndarray) -> np.ndarray:
+    """Where each of the pack's own image rows is in ``[kept images' rows, returned rows]``."""
+    sizes = np.asarray(route.own_sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    sent = np.asarray([i for per_rank in route.send for i in per_rank], dtype=np.int64)
     position = np.empty(int(starts[-1]), dtype=np.int64)
     position[np.concatenate([kept_rows, _rows_of(sent, starts, sizes)])] = np.arange(len(position))
-    return torch.cat([out[:n], returned]).index_select(0, _index(position, out))
+    return position
 
 
 def _rows_of(images: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -219,10 +386,6 @@ def _rows_of(images: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.nd
     counts = sizes[images]
     first = np.repeat(starts[images] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
     return first + np.arange(int(counts.sum()))
-
-
-def _index(rows: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(rows).to(like.device, non_blocking=True)
 
 
 def check_rows(

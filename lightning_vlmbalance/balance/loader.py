@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from_meta
-from lightning_vlmbalance.balance.encoder import register_group, route_for
+from lightning_vlmbalance.balance.encoder import probe_fields, register_group, route_for
 from lightning_vlmbalance.balance.exchange import (
     ExchangeError,
     exchange_packs,
@@ -382,7 +382,7 @@ class RebalancingLoader:
         at position ``p`` the first group is ``G - p % G`` batches; the last one is cut where the
         epoch's training batches end (``epoch_batches``)."""
         return optimizer_steps(
-            self.loader,
+            _own_dicts(self.loader),
             micro_steps=self.micro_steps,
             start=self._step_start if self.epoch_position is not None else self._inner_start,
             stop=self.epoch_batches,
@@ -599,6 +599,8 @@ class RebalancingLoader:
                     if e == r and h != r
                 ],
             )
+            # what the encoder must still see: preprocessing of the batch is refused there
+            batch["encoder_route"].probe = probe_fields(fields)
             keys = []
             for h, i, e in zip(home, index, plan.encoder):
                 if e == h:
@@ -631,6 +633,7 @@ class RebalancingLoader:
         return order, {
             "encoder_moved_images": float(moved),
             "encoder_bytes": float(received_bytes),  # this rank's; no collective
+            "encoder_received_images": float(sum(len(keys) for keys in foreign)),  # this rank's
             "encoder_plan_ms": planned_ms,
             "exchange_ms": (time.perf_counter() - start) * 1e3 - planned_ms,
             "planned_waste_frac": 1.0 - ideal / spent if spent > 0 else 0.0,
@@ -713,6 +716,14 @@ class _ResumableRebalancingLoader(RebalancingLoader):
 
 
 _LEAD = "rebalanced_step_lead"  # batches of the resumed optimizer step trained before
+
+
+def _own_dicts(batches: Iterable[Any]) -> Iterator[Any]:
+    """The inner loader's batches, each dict a shallow copy: the routes, received images and
+    loss weights written into it stay with this training step (a loader that yields the same
+    dicts again, for another epoch or for validation, gets them back as it made them)."""
+    for batch in batches:
+        yield dict(batch) if isinstance(batch, dict) else batch
 
 
 def image_payload_fields(batch: dict[str, Any]) -> dict[str, tuple[torch.Tensor, np.ndarray]]:

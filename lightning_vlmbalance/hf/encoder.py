@@ -34,7 +34,12 @@ import numpy as np
 import torch
 from transformers.utils import ModelOutput
 
-from lightning_vlmbalance.balance.encoder import ImageRoute, check_rows, return_home
+from lightning_vlmbalance.balance.encoder import (
+    ImageRoute,
+    check_rows,
+    check_unchanged,
+    return_home,
+)
 from lightning_vlmbalance.balance.loader import image_payload_fields
 from lightning_vlmbalance.hf.families import Family
 from lightning_vlmbalance.packing.collate import cat_padded
@@ -66,6 +71,8 @@ def balanced_image_features(model: Any, family: Family, batch: Mapping[str, Any]
     route: ImageRoute = batch["encoder_route"]
     _check_single_images(family, batch)
     own = image_payload_fields(dict(batch))
+    for name, (tensor, _) in own.items():
+        check_unchanged(route, name, tensor)
     received = batch.get("encoder_fields") or {}
     local: dict[str, torch.Tensor] = {}
     for name in own.keys() | received.keys():

@@ -132,6 +132,7 @@ def prepare_model(model: torch.nn.Module) -> Family:
     Raises:
         ValueError: for a model family that is not supported, naming it.
     """
+    model = hf_model(model)
     family = family_of(model)
     if getattr(model, "_vlmbalance_family", None) is not None:
         return model._vlmbalance_family
@@ -159,10 +160,18 @@ def prepare_model(model: torch.nn.Module) -> Family:
 
     def note_images(module: Any, args: tuple, kwargs: dict) -> Any:
         pending = state.pop("encoder_batch", None)
-        if pending is not None and kwargs.get("input_ids") is pending["input_ids"]:
-            # encoder balancing: the images are encoded here, inside the model's forward (under
-            # FSDP2 the root unit's parameters, the vision tower's patch embedding among them,
-            # are gathered by then), and handed to it as precomputed encoder outputs
+        if pending is not None:
+            if kwargs.get("input_ids") is not pending["input_ids"]:
+                raise RuntimeError(
+                    f"encoder balancing: `model_inputs` prepared the images of pack"
+                    f" {_pack_id(pending)} for the next forward of {type(model).__name__}, but"
+                    " that forward got other `input_ids`: call the model with the inputs"
+                    " `model_inputs` returned, once per batch"
+                )
+            # encoder balancing: the images are encoded here, inside the multimodal model's
+            # forward (under FSDP2 the root unit's parameters, the vision tower's patch
+            # embedding among them, are gathered by then), and handed to it as precomputed
+            # encoder outputs
             encoded = balanced_image_features(model, family, pending)
             kwargs = {**kwargs, "mm_encoder_outputs": {"image": encoded}}
         encoded = (kwargs.get("mm_encoder_outputs") or {}).get("image")
@@ -173,6 +182,15 @@ def prepare_model(model: torch.nn.Module) -> Family:
         return args, kwargs
 
     def keep_vision_in_graph(module: Any, args: tuple, kwargs: dict) -> Any:
+        if "encoder_batch" in state:  # the multimodal model's forward was skipped
+            pending = state.pop("encoder_batch")
+            raise RuntimeError(
+                f"encoder balancing: the language model of {type(model).__name__} ran, but the"
+                f" multimodal model's forward ({type(model.model).__name__}) was not called"
+                f" through its module call, so pack {_pack_id(pending)}'s images were never"
+                " encoded and its image tokens would train as text. Call the model (or a"
+                " wrapper that calls its modules) with the inputs of `model_inputs`"
+            )
         embeds = kwargs.get("inputs_embeds")
         if embeds is None or not (torch.is_grad_enabled() and model.training):
             return None
@@ -183,11 +201,37 @@ def prepare_model(model: torch.nn.Module) -> Family:
             zero = zero + state["balanced_zero"].to(zero.device)
         return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
 
-    model.register_forward_pre_hook(note_images, with_kwargs=True)
+    # on the multimodal model (``model.model``), which the task head calls as a module: a
+    # wrapper that calls the head's ``.forward`` directly (PEFT's tuners do) still reaches it
+    model.model.register_forward_pre_hook(note_images, with_kwargs=True)
     decoder.register_forward_pre_hook(keep_vision_in_graph, with_kwargs=True)
     model._vlmbalance_family = family
     model._vlmbalance_state = state
     return family
+
+
+def hf_model(model: Any) -> Any:
+    """The transformers model inside ``model``: unwraps a PEFT model (``get_base_model``), a
+    compiled model (``_orig_mod``) and any module that holds the model as ``module`` or
+    ``model``, until a transformers ``PreTrainedModel`` (or nothing more to unwrap)."""
+    from transformers import PreTrainedModel
+
+    while not isinstance(model, PreTrainedModel):
+        base = getattr(model, "get_base_model", None)
+        if callable(base):
+            inner = base()
+        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            inner = model._orig_mod
+        else:
+            inner = getattr(model, "module", None) or getattr(model, "model", None)
+        if not isinstance(inner, torch.nn.Module) or inner is model:
+            return model
+        model = inner
+    return model
+
+
+def _pack_id(batch: Mapping[str, Any]) -> Any:
+    return (batch.get("meta") or {}).get("pack_id")
 
 
 def _unused_zero(params: list[torch.Tensor]) -> torch.Tensor:
@@ -246,6 +290,7 @@ def model_inputs(
     :func:`~lightning_vlmbalance.packed_cross_entropy` does.
     """
     family = prepare_model(model)
+    model = hf_model(model)
     if module is not None:
         check_weighted_for(batch, module)
     cu = batch["cu_seqlens"]
@@ -260,8 +305,17 @@ def model_inputs(
         "max_length_k": max_len,
     }
     if batch.get("encoder_route") is not None:
-        # encoded in the model's forward (its pre-hook): see prepare_model
-        model._vlmbalance_state["encoder_batch"] = batch
+        # encoded in the multimodal model's forward (its pre-hook): see prepare_model
+        state = model._vlmbalance_state
+        if "encoder_batch" in state:
+            waiting = state.pop("encoder_batch")
+            raise RuntimeError(
+                f"encoder balancing: `model_inputs` was called for pack {_pack_id(batch)}"
+                f" while the images of pack {_pack_id(waiting)} still wait for"
+                f" the forward of {type(model).__name__}: call the model with each batch's"
+                " inputs before preparing the next"
+            )
+        state["encoder_batch"] = batch
     else:
         inputs.update(family.image_inputs(batch))
     if labels:

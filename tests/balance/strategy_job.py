@@ -30,7 +30,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 import lightning_vlmbalance as vb
 from lightning_vlmbalance.balance.loader import RebalancingLoader
@@ -153,9 +153,39 @@ class RecordingAdamW(torch.optim.AdamW):
         return loss
 
 
+def _preprocess(pixels: torch.Tensor) -> torch.Tensor:
+    """The jobs' pixel preprocessing (a normalisation, as a model would do)."""
+    return (pixels - 0.1) * 2.0
+
+
 class Job(RecordingVLM):
     record_grads = False
     float64 = False  # set under FSDP for --precision 64-true
+    preprocess = "none"  # --preprocess: "batch" (on_after_batch_transfer) or "encoder"
+    images_only_when_tokens = False  # --images-only-when-tokens
+
+    def setup(self, stage: str) -> None:
+        if self.preprocess == "encoder":  # inside the encoder: a forward pre-hook on it
+            self.vision.register_forward_pre_hook(lambda m, args: (_preprocess(args[0]), *args[1:]))
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        batch = super().on_after_batch_transfer(batch, dataloader_idx)
+        if self.preprocess == "batch":
+            batch["pixel_values"] = _preprocess(batch["pixel_values"])
+        return batch
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        if not self.images_only_when_tokens:
+            return super().forward(batch)
+        # the embeddings enter the model only when the pack has image tokens (DDP needs
+        # find_unused_parameters=True for this model)
+        input_ids_T = batch["input_ids"].reshape(-1)
+        image_ID = vb.encode_images(self.vision, batch)
+        x_TD = self.llm.embed(input_ids_T) + self.llm.pos(batch["position_ids"].reshape(-1))
+        if batch["image_positions"].numel():
+            image_ID = self.projector(image_ID).to(x_TD.dtype)
+            x_TD = x_TD.index_put((batch["image_positions"],), image_ID)
+        return self.llm(x_TD, batch["cu_seqlens"], batch["max_seqlen"])
 
     def configure_model(self) -> None:
         """Under FSDP2 (``--strategy fsdp`` / ``fsdp_vlmbalance``): every block and embedding is
@@ -264,8 +294,13 @@ def _strategy(args: argparse.Namespace) -> Any:
     timeout = args.exchange_timeout_s
     if args.strategy == "vlmbalance":
         return vb.VLMBalanceStrategy(
-            mode=args.mode, exchange_timeout_s=timeout, encoder=args.encoder
+            mode=args.mode,
+            exchange_timeout_s=timeout,
+            encoder=args.encoder,
+            find_unused_parameters=args.find_unused,
         )
+    if args.strategy == "ddp" and args.find_unused:
+        return DDPStrategy(find_unused_parameters=True)
     if args.strategy == "fsdp_vlmbalance":
         return vb.FSDPVLMBalanceStrategy(
             mode=args.mode,
@@ -361,6 +396,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dense", action="store_true", help="MLPs instead of the MoE feed-forward")
     p.add_argument("--balance", action="store_true", help="PackingSampler(balance=True)")
     p.add_argument("--encoder", action="store_true", help="encoder balancing (encoder=True)")
+    p.add_argument("--preprocess", default="none", choices=("none", "batch", "encoder"))
+    p.add_argument(
+        "--images-only-when-tokens",
+        action="store_true",
+        help="the model uses the image embeddings only in packs with image tokens",
+    )
+    p.add_argument("--find-unused", action="store_true", help="find_unused_parameters=True")
+    p.add_argument("--compile", action="store_true", help="torch.compile(model, 'aot_eager')")
+    p.add_argument("--text-share", type=float, default=0.2, help="text-only samples' share")
     p.add_argument("--balance-exact", action="store_true", help="... and exact=True")
     p.add_argument("--balance-objective", default="auto", help="... and this objective")
     p.add_argument(
@@ -380,7 +424,7 @@ def _fit(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     seq_len = 128
     table = synthetic_length_table(
-        args.samples, text_share=0.2, tile_tokens=8, max_text_tokens=64, seed=1
+        args.samples, text_share=args.text_share, tile_tokens=8, max_text_tokens=64, seed=1
     )
     strategy = _strategy(args)
     if args.fail_rank is not None:
@@ -433,7 +477,10 @@ def _fit(args: argparse.Namespace) -> None:
     model = Job(args.out, **shape, max_positions=seq_len)
     model.record_grads = args.record_grads
     model.float64 = fsdp64
-    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    model.preprocess = args.preprocess
+    model.images_only_when_tokens = args.images_only_when_tokens
+    fitted = torch.compile(model, backend="aot_eager") if args.compile else model
+    trainer.fit(fitted, datamodule=data, ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

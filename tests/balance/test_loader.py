@@ -252,3 +252,34 @@ def test_a_new_pass_stops_an_abandoned_one_before_it_starts() -> None:
     for r in (0, 1):  # the new pass's first global batch is prepared in the caller's thread
         assert max(out[r][1]["started_with"]) == 1, out[r][1]["started_with"]
     assert sorted(out[0][1]["ids"] + out[1][1]["ids"]) == list(range(400))
+
+
+def _reused_dicts_job(rank: int, world: int) -> dict:
+    """A loader that yields the same dicts every pass (a list), under encoder balancing: its
+    dicts come back as it made them, and a second pass plans its own routes."""
+    table = synthetic_length_table(120, tile_tokens=8, max_text_tokens=64, seed=3)
+    sampler = vb.PackingSampler(table.total_tokens, table.image_tokens, seq_len=128)
+    sampler.set_data_parallel(world, rank)
+    ds = SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
+    packs = list(vb.PackedDataLoader(ds, sampler))
+    keys = [set(b) for b in packs]
+    loader = RebalancingLoader(
+        packs, micro_steps=2, world_size=world, rank=rank, mode="sync", encoder=True
+    )
+    first = [b["encoder_route"] for b in loader]
+    second = [b["encoder_route"] for b in loader]
+    return {
+        "unchanged": [set(b) == k for b, k in zip(packs, keys)],
+        "routes": len(first),
+        "fresh_routes": all(a is not b for a, b in zip(first, second)),
+    }
+
+
+def test_a_loader_that_yields_the_same_dicts_again_gets_them_back_as_it_made_them() -> None:
+    """Routes, received images and loss weights stay with the training step they were planned
+    for: the inner loader's dicts (reused for another epoch, or for validation) are not written
+    (a reused dict once handed its stale route to validation: mismatched all-to-alls)."""
+    out = run_ranks(_reused_dicts_job, 2, timeout=120, start_method="forkserver")
+    assert all(status == "ok" for status, _ in out.values()), out
+    for _, res in out.values():
+        assert res["routes"] > 0 and all(res["unchanged"]) and res["fresh_routes"], res

@@ -24,7 +24,34 @@ GROUP = "hf-encoder-test"
 PACKS = {"swap": ([0, 3], [1, 2]), "text_only": ([0, 1], [3])}
 
 
-def _route_job(rank: int, world: int, family: str, scenario: str) -> dict:
+class CallsForward(torch.nn.Module):
+    """A wrapper whose forward calls the model's ``.forward`` directly, skipping the model's
+    own module hooks (as some adapter libraries' wrappers do)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kwargs):
+        return self.model.forward(**kwargs)
+
+
+def _wrapped(model: torch.nn.Module, wrap: str) -> torch.nn.Module:
+    if wrap == "calls_forward":
+        return CallsForward(model)
+    if wrap == "peft":
+        import peft
+
+        config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        wrapped = peft.get_peft_model(model, config)
+        for name, p in wrapped.named_parameters():  # LoRA starts at B = 0: give it a gradient
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        return wrapped
+    return model
+
+
+def _route_job(rank: int, world: int, family: str, scenario: str, wrap: str = "none") -> dict:
     import torch.distributed as dist
     import transformers as tf
 
@@ -38,7 +65,7 @@ def _route_job(rank: int, world: int, family: str, scenario: str) -> dict:
     config = tiny_config(family)
     # the MoE's grouped matmul has no float64 kernel: its experts run as a plain loop
     model = tf.AutoModelForImageTextToText.from_config(config, experts_implementation="eager")
-    model = model.double().train()
+    model = _wrapped(model.double().train(), wrap)
     data = SyntheticProcessed(
         config, 4, seed=1, text_share=0.3, max_images=1 if family == "llava_onevision" else 2
     )
@@ -83,9 +110,12 @@ def _route_job(rank: int, world: int, family: str, scenario: str) -> dict:
 
     def loss_and_grad(batch: dict) -> tuple[float, torch.Tensor]:
         model.zero_grad(set_to_none=False)
-        loss = model(**vbhf.model_inputs(model, batch)).loss
+        # the inputs of the transformers model inside the wrapper: the wrapper calls it
+        inner = model.model if wrap == "calls_forward" else model
+        loss = model(**vbhf.model_inputs(inner, batch)).loss
         loss.backward()
-        grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        trained = [p for p in model.parameters() if p.requires_grad]
+        grad = torch.cat([p.grad.reshape(-1) for p in trained])
         dist.all_reduce(grad)
         return float(loss.detach()), grad
 
@@ -104,16 +134,25 @@ def _route_job(rank: int, world: int, family: str, scenario: str) -> dict:
 
 # every family swaps images; the text-only scenario (the dummy image on a rank that encodes
 # nothing) runs for one family of each layout, Qwen3-VL's deepstack among them
-CASES = [(f, "swap") for f in TINY_FAMILIES] + [
-    (f, "text_only") for f in ("qwen3_vl", "llava_onevision", "idefics3")
-]
+# a model wrapped for fine-tuning: PEFT's LoRA, and a wrapper that calls the model's
+# ``.forward`` (not the module), which skips the model's own hooks
+CASES = (
+    [(f, "swap", "none") for f in TINY_FAMILIES]
+    + [(f, "text_only", "none") for f in ("qwen3_vl", "llava_onevision", "idefics3")]
+    + [("qwen2_5_vl", "swap", "peft"), ("idefics3", "text_only", "calls_forward")]
+    + [("qwen3_vl", "swap", "calls_forward")]
+)
 
 
-@pytest.mark.parametrize(("family", "scenario"), CASES)
+@pytest.mark.parametrize(("family", "scenario", "wrap"), CASES)
 def test_encoder_balancing_gives_the_gradients_of_encoding_at_home(
-    family: str, scenario: str
+    family: str, scenario: str, wrap: str
 ) -> None:
-    results = run_ranks(_route_job, 2, family, scenario, timeout=240, start_method="forkserver")
+    if wrap == "peft":
+        pytest.importorskip("peft")
+    results = run_ranks(
+        _route_job, 2, family, scenario, wrap, timeout=240, start_method="forkserver"
+    )
     assert all(status == "ok" for status, _ in results.values()), results
     got = [results[r][1] for r in (0, 1)]
     assert sum(g["moved"] for g in got) > 0
@@ -125,3 +164,32 @@ def test_encoder_balancing_gives_the_gradients_of_encoding_at_home(
         home, routed = g["loss"]
         assert abs(routed - home) <= 1e-10 * abs(home), g
         assert g["grad_rel"] <= 1e-10, g
+
+
+def test_images_waiting_for_a_forward_are_never_left_for_another_batch() -> None:
+    """``model_inputs`` of a routed batch hands its images to the next forward: preparing
+    another batch first, or a forward on other ``input_ids``, is refused by name (the images
+    were once left for whichever forward came next)."""
+    import transformers as tf
+
+    import lightning_vlmbalance.hf as vbhf
+    from lightning_vlmbalance.balance.encoder import route_for
+    from lightning_vlmbalance.hf.synthetic import SyntheticProcessed, tiny_config
+
+    config = tiny_config("qwen2_5_vl")
+    model = tf.AutoModelForImageTextToText.from_config(config).train()
+    data = SyntheticProcessed(config, 4, seed=1, text_share=0.3, max_images=2)
+    collate = vbhf.HFPackCollator(config, seq_len=512)
+    packs = [collate([data[i]]) for i in (0, 1)]
+    for pack in packs:
+        sizes = [int(s) for s in pack["meta"]["image_sizes"]]
+        pack["encoder_route"] = route_for(
+            group=GROUP, rank=0, world=1, own_sizes=sizes, own_encoder=[0] * len(sizes), foreign=[]
+        )
+    vbhf.model_inputs(model, packs[0])
+    with pytest.raises(RuntimeError, match="still wait for the forward"):
+        vbhf.model_inputs(model, packs[1])
+    inputs = vbhf.model_inputs(model, packs[1])  # the refused call left nothing behind
+    inputs["input_ids"] = inputs["input_ids"].clone()
+    with pytest.raises(RuntimeError, match="got other `input_ids`"):
+        model(**inputs)
