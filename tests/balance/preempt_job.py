@@ -131,7 +131,12 @@ class WorkerData(Data):
         cls = ReadAheadLoader if self.read_ahead else vb.PackedDataLoader
         extra = {"read_ahead": self.read_ahead} if self.read_ahead else {}
         return cls(
-            loader.dataset, loader.sampler, loader.collate_fn, trainer=self.trainer, **extra, **kwargs
+            loader.dataset,
+            loader.sampler,
+            loader.collate_fn,
+            trainer=self.trainer,
+            **extra,
+            **kwargs,
         )
 
 
