@@ -24,20 +24,28 @@ do. What ``overlap``'s thread still hides is the loader's per-global-batch work 
 all-gather, which every mode needs for the loss weights, the plan and the exchange); the
 ``exposed_exchange_ms`` column shows how much of it each mode waits for.
 
-It prints a side-by-side table, writes a PNG of every rank's step and vision time per mode (first
-round) next to the TensorBoard logs, and ends with one ``SUMMARY_JSON`` line. Lightning's DDP
-launcher re-runs this module for the other ranks; the runs follow each other in the same
-processes. Logs go under ``--root`` (default ``runs/``).
+As each run ends it prints one line (mode, round, tokens/s, seconds, median step, waiting, what
+moved, and the gain over that round's ``off``: in the backward rounds ``off`` runs last, and its
+line gives the round's gains). At the end it prints a side-by-side table and the headline with
+its spread (each round's gain and their median), writes a PNG of every rank's step and vision
+time per mode (first round) next to the TensorBoard logs, and ends with one ``SUMMARY_JSON``
+line. Lightning's banners, model summaries and progress bar and the known deprecation warnings
+of third-party libraries are quiet by default (``--progress-bar``: the bar; ``--verbose``: all
+of Lightning's output as before); the package's own warnings always show. Lightning's DDP
+launcher re-runs this module for the other ranks (each quiets itself in ``main``); the runs
+follow each other in the same processes. Logs go under ``--root`` (default ``runs/``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +75,33 @@ BALANCING = {"vlmbalance": vb.VLMBalanceStrategy, "fsdp_vlmbalance": vb.FSDPVLMB
 WARMUP_STEPS = 5  # optimizer steps left out of the median step time (a secondary figure)
 ROUNDS = 2  # each compared mode trains this many times, in ABBA order
 _RUN_DIR_ENV = "VLMBALANCE_MAIN_JOB_DIR"  # the run folder, handed to the other ranks
+# Lightning's console loggers: the banners ("GPU available", "💡 Tip"), "Initializing
+# distributed", "`Trainer.fit` stopped" (INFO; its warnings stay)
+LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+# (message, category, module the warning is attributed to): warnings other libraries print at
+# every Trainer of this job, none about what it does. Each by its message, category and module,
+# so that any other warning (the package's own above all) still shows.
+QUIET_WARNINGS = (
+    # torch deprecates the all_gather Lightning's all_gather calls (Fabric's utilities)
+    (
+        r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+        FutureWarning,
+        r"lightning\.fabric\.utilities\.distributed\Z",
+    ),
+    # torch deprecates the LeafSpec Lightning's pytree utilities build
+    (
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        FutureWarning,
+        r"lightning\.pytorch\.utilities\._pytree\Z",
+    ),
+    # ToyVLM's on_after_batch_transfer is meant to run with this job's datamodule
+    (
+        r"You have overridden `on_after_batch_transfer` in `LightningModule` but have passed in a"
+        r" `LightningDataModule`",
+        UserWarning,
+        r"lightning\.pytorch\.trainer\.connectors\.data_connector\Z",
+    ),
+)
 
 
 class ReadAheadLoader(vb.PackedDataLoader):
@@ -395,6 +430,21 @@ def build_table(args: argparse.Namespace) -> LengthTable:
     )
 
 
+def quiet_lightning() -> None:
+    """This process's Lightning banners and info messages off (its warnings stay) and the
+    known third-party warnings of ``QUIET_WARNINGS`` filtered, each by message, category and
+    module: every other warning still shows. Per process: each rank calls it in ``main``
+    before its first Trainer (the other ranks are re-runs of this module)."""
+    for name in LIGHTNING_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message, category, module in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def _is_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def run_dir(root: str) -> Path:
     """A new folder under ``root/vlm`` for this invocation; the other ranks (re-run by
     Lightning's launcher with this process's environment) take the same one."""
@@ -481,7 +531,8 @@ def fit_mode(
         log_every_n_steps=5,
         callbacks=callbacks,
         enable_checkpointing=False,
-        enable_progress_bar=not args.no_progress_bar,
+        enable_progress_bar=args.progress_bar,
+        enable_model_summary=args.verbose,
     )
     trainer.fit(model, datamodule=data)
     summary.jsonl_dir = monitor.jsonl_path.parent if monitor.jsonl_path else None
@@ -546,7 +597,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--root", default="runs")
-    p.add_argument("--no-progress-bar", action="store_true")
+    p.add_argument(
+        "--progress-bar",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Lightning's progress bar (default: none; one line per run instead)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Lightning's banners, info messages and model summaries, and the third-party"
+        " deprecation warnings the job filters (default: quiet)",
+    )
     p.add_argument(
         "--strategy",
         default="vlmbalance",
@@ -596,6 +658,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: must be at least 1")
 
+    if not args.verbose:  # before the first Trainer, in every rank's process
+        quiet_lightning()
     torch.set_num_threads(1)  # one core per rank: two ranks must not fight over two cores
     table = build_table(args)
     single = args.strategy not in BALANCING or args.devices == 1
@@ -609,7 +673,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     order = schedule(modes, args.rounds if len(modes) > 1 else 1)
     runs: dict[str, list[RunSummary]] = {mode: [] for mode in modes}
     fit_report = None
-    for k, mode in order:
+    rounds: dict[int, dict[str, dict[str, Any]]] = {}  # round -> mode -> its run's summary
+    for n, (k, mode) in enumerate(order, 1):
         run = fit_mode(args, table, mode, folder, cost_model, mode if k == 0 else f"{mode}_{k}")
         runs[mode].append(run)
         # the balanced modes calibrate themselves online; --fit-on-off gives them a model
@@ -617,6 +682,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if mode == "off" and args.fit_on_off and len(modes) > 1 and cost_model is None:
             cost_model, fit_report = calibrate(run.jsonl_dir, folder / "cost_model.json")
             run.replan(cost_model)  # every mode's planned waste under the same model
+        same_round = rounds.setdefault(k, {})
+        same_round[mode] = run.summary
+        if _is_zero():
+            print(run_line(run.summary, k, n, len(order), same_round, "off" in modes), flush=True)
     summary = report(runs, order, folder, fit_report, args)
     return summary
 
@@ -630,6 +699,50 @@ def schedule(modes: list[str], rounds: int) -> list[tuple[int, str]]:
 
 def _gain(value: float, base: float) -> float | None:
     return round(value / base - 1.0, 4) if base > 0 else None
+
+
+def _rate(run: dict[str, Any]) -> float:
+    """A run's whole-run tokens/s, unrounded (as ``compare`` pairs the rounds)."""
+    return run["tokens"] / run["seconds"] if run["seconds"] > 0 else 0.0
+
+
+def _median_gain(gains: list[float | None]) -> float | None:
+    known = [g for g in gains if g is not None]
+    return round(float(np.median(known)), 4) if known else None
+
+
+def run_line(
+    s: dict[str, Any],
+    k: int,
+    n: int,
+    total: int,
+    same_round: dict[str, dict[str, Any]],
+    with_off: bool = True,
+) -> str:
+    """The line printed as run ``n`` of ``total`` ends (rank 0): its mode ``s["mode"]``, round
+    ``k``, whole-run tokens/s, seconds, median step after the warm-up, waiting, what moved, and
+    its gain over the same round's ``off`` (the pairing of ``compare``'s per-round gains).
+    ``same_round``: the round's runs so far by mode, this one included. In a backward round
+    ``off`` runs last: the others' gains come on its line. ``with_off``: an ``off`` is run."""
+    step = f"{1000 / s['steps_per_s_median']:,.0f} ms" if s["steps_per_s_median"] > 0 else "-"
+    waiting = f"{s['waste_frac']:.1%}" if "waste_frac" in s else "-"
+    line = (
+        f"run {n}/{total}: {s['mode']:<8} round {k}  {s['tokens_per_s']:>8,.0f} tokens/s"
+        f"  {s['seconds']:7.1f} s  median step {step:>8}  waiting {waiting:>5}"
+        f"  moved {s['moved_packs']} packs, {s['moved_images']} images"
+    )
+    off = same_round.get("off")
+    others = [m for m in same_round if m != "off"]
+    if not with_off:
+        return line
+    if s["mode"] != "off":
+        if off is None:
+            return f"{line}  | vs off: on round {k}'s off line (it runs last)"
+        return f"{line}  | {_pct(_gain(_rate(s), _rate(off)))} vs round {k}'s off"
+    if others:  # the round's off came last: the gains of the runs before it
+        gains = ", ".join(f"{m} {_pct(_gain(_rate(same_round[m]), _rate(s)))}" for m in others)
+        return f"{line}  | round {k} vs this off: {gains}"
+    return line
 
 
 def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -674,6 +787,7 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
             median_gain_vs_off=None,
             gain_by_round=[],
             gain_spread=None,
+            gain_median_over_rounds=None,
         )
         if waits:
             s["waste_frac"] = round(float(np.mean(waits)), 4)
@@ -687,8 +801,10 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
             s["gain_by_round"] = [_gain(x, b) for x, b in zip(per_round, base_rounds)]
             for r, g in zip(s["by_round"], s["gain_by_round"]):
                 r["gain_vs_off"] = g
-            if s["gain_by_round"]:
-                s["gain_spread"] = [min(s["gain_by_round"]), max(s["gain_by_round"])]
+            known = [g for g in s["gain_by_round"] if g is not None]
+            if known:
+                s["gain_spread"] = [min(known), max(known)]
+            s["gain_median_over_rounds"] = _median_gain(s["gain_by_round"])
     return modes
 
 
@@ -730,8 +846,9 @@ def report(
         summary["best_mode"] = best
         summary["gain_vs_off"] = modes[best]["gain_vs_off"]
         summary["gain_spread"] = modes[best]["gain_spread"]
-    is_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    if is_zero:
+        summary["gain_by_round"] = modes[best]["gain_by_round"]
+        summary["gain_median_over_rounds"] = modes[best]["gain_median_over_rounds"]
+    if _is_zero():
         summary["figure"] = str(plot_modes({m: rs[0] for m, rs in runs.items()}, folder))
         _print(summary, args)
     return summary
@@ -802,12 +919,9 @@ def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
         )
     if "best_mode" in summary:
         best = summary["best_mode"]
-        low, high = summary["gain_spread"]
         lines.append(
-            f"\nBest: {best}, {summary['gain_vs_off']:+.1%} tokens/s over off (whole runs,"
-            f" {rounds} round(s); per round {low:+.1%} to {high:+.1%}); waiting"
-            f" {modes['off'].get('waste_frac', 0):.1%} -> {modes[best].get('waste_frac', 0):.1%}"
-            " of rank-time."
+            f"\n{headline(summary)}; waiting {modes['off'].get('waste_frac', 0):.1%} ->"
+            f" {modes[best].get('waste_frac', 0):.1%} of rank-time."
         )
     fits = [(mode, s) for mode, s in modes.items() if "final_model" in s]
     if fits:
@@ -823,6 +937,26 @@ def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
     )
     print("\n".join(lines))
     print("SUMMARY_JSON " + json.dumps(summary))
+
+
+def headline(summary: dict[str, Any]) -> str:
+    """The best mode's whole-run gain qualified by its spread: every round's gain against that
+    round's ``off``, their median, and whether the rounds agree."""
+    gains = [g for g in summary["gain_by_round"] if g is not None]
+    rounds = ", ".join(_pct(g) for g in summary["gain_by_round"]) or "-"
+    if len(gains) < 2:
+        verdict = "one round: no spread"
+    elif min(gains) > 0:
+        verdict = "a gain in every round"
+    elif max(gains) <= 0:
+        verdict = "no round gains"
+    else:
+        verdict = "the rounds disagree: not a stable gain"
+    return (
+        f"Best: {summary['best_mode']}, {_pct(summary['gain_vs_off'])} tokens/s over off"
+        f" (whole runs; rounds: {rounds}; median {_pct(summary['gain_median_over_rounds'])};"
+        f" {verdict})"
+    )
 
 
 def _fit_line(model: dict[str, Any], calibration: dict[str, Any] | None) -> str:

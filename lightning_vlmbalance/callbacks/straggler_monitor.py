@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance import encoder
 from lightning_vlmbalance.balance.cost import features_from_meta
 from lightning_vlmbalance.callbacks._calibration import CalibrationDriver
-from lightning_vlmbalance.callbacks._options import LOG_EVERY_N_STEPS, checked_log_every_n_steps
+from lightning_vlmbalance.callbacks._options import checked_log_every_n_steps
 from lightning_vlmbalance.parallel import data_parallel_world
 from lightning_vlmbalance.timing import (
     LIGHTNING_SYNC,
@@ -53,19 +54,32 @@ class StragglerMonitor(Callback):
     Per optimizer step and rank it measures ``data``, ``vision_fwd``, ``llm_fwd``, ``backward``,
     ``optimizer``, ``sync_wait`` (waiting at the gradient all-reduce, timed with a DDP
     communication hook that adds no collective), ``lightning_sync`` (Lightning's
-    per-micro-batch SIGTERM-flag broadcast, a barrier) and ``step``. It adds no collective and no
+    per-micro-batch SIGTERM-flag broadcast, a barrier), ``encoder_return`` (under encoder
+    balancing), ``collective_wait`` (under FSDP2) and ``step``. It adds no collective and no
     device synchronisation per step: on CUDA the phases are CUDA events read with ``query()``.
-    Every ``log_every_n_steps`` optimizer steps all ranks gather their means to rank 0 in one
-    small all-gather, and rank 0 logs:
+    At each log point all ranks gather their sums since the last one in one small all-gather,
+    and rank 0 logs:
 
     ====================================  ====================================================
     ``straggler/<phase>_ms/rank_<r>``     mean milliseconds per step of ``<phase>`` on rank r
                                           (phases above and ``step``)
-    ``straggler/waste_frac``              waiting (``sync_wait`` + ``lightning_sync``) over
-                                          total rank-time
+    ``straggler/waste_frac``              waiting (``sync_wait``, ``lightning_sync``,
+                                          ``encoder_return``, ``collective_wait``) over total
+                                          rank-time
     ``straggler/worst_rank``              rank with the most busy (non-waiting) time
     ``straggler/max_over_median``         its busy time over the median rank's
+    ``packing/efficiency``                the real packs trained since the last log point, all
+                                          ranks: their tokens (``meta["total_tokens"]``) over
+                                          their capacity (``input_ids.numel()``, ``seq_len``);
+                                          padding packs and batches that are not packed
+                                          batches are left out (no value without any)
     ====================================  ====================================================
+
+    Log points are those of Lightning's own ``self.log`` metrics: the optimizer steps that
+    ``Trainer(log_every_n_steps=N)`` logs (``global_step`` a multiple of ``N``), at the step
+    Lightning writes them at (the number of optimizer steps before that one), so that the
+    monitor's charts line up with the LightningModule's; ``log_every_n_steps`` on the monitor
+    replaces ``N``. The end of training is a log point for the steps left since the last one.
 
     A TensorBoard custom-scalars layout shows each phase as one chart with one line per rank.
     Every rank also appends its raw per-step times to ``<log_dir>/straggler/rank_<r>.jsonl``
@@ -91,7 +105,9 @@ class StragglerMonitor(Callback):
     finds the modules, hooks them, Lightning's loop and DDP's comm hook, and logs.
 
     Args:
-        log_every_n_steps: optimizer steps between gathers (and log points).
+        log_every_n_steps: optimizer steps between log points (and gathers); ``None``: the
+            Trainer's ``log_every_n_steps`` (with ``Trainer(log_every_n_steps=0)`` nothing is
+            logged; the end of training still gathers, for :meth:`summary`).
         vision_module: the vision submodule (an ``nn.Module`` or a dotted name); ``None`` looks
             for one named ``vision``, ``vision_tower``, ``vision_model``, ``visual``,
             ``vision_encoder``, ``image_encoder`` or ``vit``; ``False`` disables it.
@@ -110,12 +126,17 @@ class StragglerMonitor(Callback):
     def __init__(
         self,
         *,
-        log_every_n_steps: int = LOG_EVERY_N_STEPS,
+        log_every_n_steps: int | None = None,
         vision_module: nn.Module | str | bool | None = None,
         llm_module: nn.Module | str | bool | None = None,
         jsonl_dir: str | Path | None = None,
     ) -> None:
-        self.log_every_n_steps = checked_log_every_n_steps("StragglerMonitor", log_every_n_steps)
+        self.log_every_n_steps = (
+            None
+            if log_every_n_steps is None
+            else checked_log_every_n_steps("StragglerMonitor", log_every_n_steps)
+        )
+        self._every = 0  # the optimizer steps between log points in use (0: no log points)
         self.vision_module = vision_module
         self.llm_module = llm_module
         self.jsonl_dir = jsonl_dir
@@ -252,6 +273,7 @@ class StragglerMonitor(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after a checkpoint was restored (on_fit_start runs before the restore)
         self._last_step = trainer.global_step
+        self._every = _log_interval(trainer, self.log_every_n_steps)
         self._start_calibration(trainer)
         world = data_parallel_world(trainer.strategy)  # every process: one line per rank
         self.recorder.start(
@@ -296,6 +318,8 @@ class StragglerMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        if self.enabled and (fill := _pack_fill(batch)) is not None:
+            self.recorder.note_pack(*fill)
         if trainer.global_step == self._last_step:  # still accumulating
             self.timer.end_micro()
             return
@@ -304,7 +328,7 @@ class StragglerMonitor(Callback):
             return
         self.timer.end_step(trainer.global_step, trainer.current_epoch)
         resolved = self.recorder.collect()
-        if trainer.global_step % self.log_every_n_steps == 0:
+        if self._every and trainer.global_step % self._every == 0:  # where Lightning logs
             self._gather_and_log(trainer)
         if self._calibration is not None:
             self._calibration.note(resolved)
@@ -327,7 +351,9 @@ class StragglerMonitor(Callback):
         if self._failed or not self.enabled:
             return
         self.recorder.synchronize()  # once, at the end: resolve the last steps' events
-        self._gather_and_log(trainer)  # every rank gets here: gather what is left
+        self._gather(trainer)  # every rank gets here: gather what is left
+        if self._every:  # a log point for the steps since the last one
+            self._log(trainer, self.recorder.metrics())
 
     @override
     def on_exception(
@@ -386,10 +412,13 @@ class StragglerMonitor(Callback):
 
     @staticmethod
     def _log(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+        """Rank 0 logs ``metrics`` of the optimizer step that just ended (the last of those
+        they cover) at the step Lightning logs that optimizer step's ``self.log`` metrics at."""
         if not trainer.is_global_zero or not metrics:
             return
+        step = _lightning_log_step(trainer)
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=step)
 
     # -- online calibration --------------------------------------------------------------------
     def _start_calibration(self, trainer: L.Trainer) -> None:
@@ -447,6 +476,44 @@ class StragglerMonitor(Callback):
         state = dict(state_dict)
         self._calibration_state = state.pop("calibration", None)
         self.recorder.load_state_dict(state)
+
+
+def _log_interval(trainer: L.Trainer, every: int | None) -> int:
+    """The optimizer steps between log points: ``every``, else the Trainer's
+    ``log_every_n_steps`` (0: Lightning logs no step metrics, nor does the monitor)."""
+    return every if every is not None else int(trainer.log_every_n_steps or 0)
+
+
+def _lightning_log_step(trainer: L.Trainer) -> int:
+    """The step at which Lightning's logger writes the ``self.log`` metrics of the optimizer
+    step that ended last (called from ``on_train_batch_end`` and ``on_train_end``).
+
+    Lightning 2.6 writes training metrics at ``fit_loop.epoch_loop._batches_that_stepped``
+    (``LoggerConnector.log_metrics``), which counts the batches that stepped and is incremented
+    after the batch's hooks and the metrics' write (``_TrainingEpochLoop.on_advance_end``): the
+    number of optimizer steps before the one that ended, ``global_step - 1`` under automatic
+    optimization (one optimizer step per stepping batch; Lightning keeps the two in step across
+    a resume). Its log points, ``LoggerConnector.should_update_logs``, are
+    ``(_batches_that_stepped + 1) % log_every_n_steps == 0``: ``global_step`` a multiple of
+    it. Public attributes only; under manual optimization with several optimizer steps per
+    batch the two counts part (``global_step`` counts each)."""
+    return max(trainer.global_step - 1, 0)
+
+
+def _pack_fill(batch: Any) -> tuple[int, int] | None:
+    """``(real tokens, capacity)`` of a packed micro-batch (``PackCollator``'s ``PackedBatch``):
+    its ``meta["total_tokens"]`` (images included) and the token slots of its ``input_ids``
+    (``seq_len``); ``None`` for a padding pack and for a batch of another kind. Host integers
+    and tensor shapes only: no device sync."""
+    if not isinstance(batch, dict):
+        return None
+    meta, input_ids = batch.get("meta"), batch.get("input_ids")
+    if not isinstance(meta, dict) or not isinstance(input_ids, torch.Tensor):
+        return None
+    tokens = meta.get("total_tokens")
+    if meta.get("padding") or not isinstance(tokens, numbers.Integral) or not input_ids.numel():
+        return None
+    return int(tokens), input_ids.numel()
 
 
 def _resolve_module(

@@ -577,7 +577,8 @@ class PackedDataLoader:
         self.dataloader_kwargs = dataloader_kwargs
         self._resume_epoch: int | None = None
         self._resume_at = 0
-        self._told_len: int | None = None  # what ``len`` answered without a trainer
+        self._told_len: int | None = None  # what ``len`` first answered without a trainer
+        self._len_warned = False
         self._iter_epoch: int | None = None
         self._pending = False
         self._start = 0
@@ -609,8 +610,12 @@ class PackedDataLoader:
             # Lightning asks before it calls ``set_epoch`` (and, on a resume, before this
             # loader's state is loaded): answer for the epoch it is about to train
             return self.sampler.packs_per_rank(self._plan_epoch(seam.epoch_to_train(self.trainer)))
-        self._told_len = len(self.sampler)
-        return self._told_len
+        if self.trainer is not None:  # validation, test, predict: epoch 0's plan, every time
+            return self.sampler.packs_per_rank(0)
+        told = len(self.sampler)
+        if self._told_len is None:  # the first answer is the one a Trainer keeps
+            self._told_len = told
+        return told
 
     @property
     def weigh_steps(self) -> bool:
@@ -628,8 +633,13 @@ class PackedDataLoader:
         return self.trainer is not None and self.trainer.training
 
     def _plan_epoch(self, epoch: int) -> int:
-        """The plan trained in ``epoch``: with ``Trainer(overfit_batches=N)`` the first ``N``
-        packs of epoch 0's plan, every epoch."""
+        """The plan read in ``epoch``: with ``Trainer(overfit_batches=N)`` the first ``N``
+        packs of epoch 0's plan, every epoch. Outside training (a loader given its trainer for
+        validation, test or predict) epoch 0's plan, every time: Lightning reads an evaluation
+        loader's length once, and epochs plan different pack counts (a later, longer plan lost
+        its last packs: 297 of 300, then 296 of 300 validation samples)."""
+        if self.trainer is not None and not self.trainer.training:
+            return 0
         return 0 if self._overfitting() else epoch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -664,16 +674,17 @@ class PackedDataLoader:
         if self._training():
             # epochs differ in pack count; Lightning keeps the count it read before the first
             seam.refresh_epoch_batches(self.trainer)
-        elif self._told_len is not None and self._told_len != packs:
+        elif self._told_len is not None and self._told_len < packs and not self._len_warned:
             warnings.warn(
                 f"PackedDataLoader: epoch {epoch} has {packs} packs on this rank, but `len()`"
-                f" said {self._told_len} before: a Trainer that read that length ends the epoch"
-                " there and never trains its last packs. Give the loader its trainer"
-                " (`PackedDataLoader(..., trainer=self.trainer)`): it then tells Lightning each"
-                " epoch's length",
+                f" said {self._told_len} first: a Trainer that read that length ends the pass"
+                " there and never trains (or validates) its last packs. Give the loader its"
+                " trainer (`PackedDataLoader(..., trainer=self.trainer)`): it then tells"
+                " Lightning each training epoch's length, and evaluates epoch 0's plan every"
+                " time",
                 stacklevel=2,
             )
-            self._told_len = None  # said once
+            self._len_warned = True  # said once
         if self._inner is None:
             self._inner = DataLoader(
                 _PackDataset(self.dataset, self.sampler, self.collate_fn),

@@ -6,7 +6,9 @@ last gather, the rank's JSON-lines file (one record per optimizer step, schema i
 same on every rank and ``state_dict`` / ``load_state_dict`` carry across a resume. A training
 loop (or the Lightning adapter, ``callbacks/straggler_monitor.py``) drives the timer, calls
 :meth:`StragglerRecorder.collect` after each optimizer step and :meth:`StragglerRecorder.gather`
-at the same point on every rank.
+at the same point on every rank. It may also note each packed micro-batch's real tokens and
+capacity (:meth:`StragglerRecorder.note_pack`): they ride the same gather (two more numbers per
+rank, no collective of their own) and come out as ``packing/efficiency``.
 
 Example::
 
@@ -14,6 +16,7 @@ Example::
     recorder.start("straggler/rank_0.jsonl", start_step=0)
     for step in range(1, 11):
         ...  # recorder.timer.start("vision_fwd") / stop(...), end_micro(), ...
+        recorder.note_pack(tokens=120, capacity=128)  # optional: a packed micro-batch's fill
         recorder.timer.end_step(step, epoch=0)
         recorder.collect()
     recorder.gather()  # every rank: an all-gather over the default process group
@@ -58,6 +61,8 @@ log = logging.getLogger(__name__)
 AllGather = Callable[[torch.Tensor], torch.Tensor]
 
 _WAIT_COLUMNS = [1 + MEASURED_PHASES.index(p) for p in WAIT_PHASES]  # in a gathered row
+# appended to a rank's gathered row: [real tokens, capacity] of its packs since the last gather
+_PACK_COLUMNS = 2
 
 
 class StragglerRecorder:
@@ -81,6 +86,8 @@ class StragglerRecorder:
         self._file: IO[str] | None = None
         self._window: list[ResolvedStep] = []  # resolved steps not gathered yet
         self._unlogged: np.ndarray = np.zeros((0, len(SERIES) + 1))  # gathered, not reported
+        self._packs = np.zeros(_PACK_COLUMNS)  # this rank's [tokens, capacity], not gathered
+        self._unlogged_packs = np.zeros(_PACK_COLUMNS)  # every rank's, gathered, not reported
         self.total_step_ms: np.ndarray = np.zeros(0)
         self.total_wait_ms: np.ndarray = np.zeros(0)
         self.steps_timed = 0
@@ -125,6 +132,7 @@ class StragglerRecorder:
             self.steps_timed = 0
         self._window.clear()
         self._unlogged = np.zeros((world_size, len(SERIES) + 1))
+        self._packs, self._unlogged_packs = np.zeros(_PACK_COLUMNS), np.zeros(_PACK_COLUMNS)
         self.close()
         self.jsonl_path = Path(jsonl_path)
         self._file = _open_jsonl(self.jsonl_path, start_step)
@@ -138,6 +146,15 @@ class StragglerRecorder:
             self._file.write(json.dumps(step.to_json(self.rank, self.world_size)))
             self._file.write("\n")
         return steps
+
+    def note_pack(self, tokens: int, capacity: int) -> None:
+        """Notes one trained micro-batch of real packs: ``tokens`` sample tokens (images
+        included) in ``capacity`` token slots (``seq_len`` for one pack). Leave padding packs
+        out: ``packing/efficiency`` is the fill of the real packs, as
+        :attr:`EpochPlan.efficiency <lightning_vlmbalance.packing.plan.EpochPlan.efficiency>`
+        defines it. Host integers only: no device sync."""
+        self._packs[0] += tokens
+        self._packs[1] += capacity
 
     def flush(self) -> None:
         if self._file is not None:
@@ -158,10 +175,16 @@ class StragglerRecorder:
         """
         self.collect()
         self.flush()
-        row = torch.tensor(window_row(self._window), dtype=torch.float64)
+        # one row per rank: the window's timings, then its packs' [tokens, capacity]
+        row = torch.tensor(
+            np.concatenate([window_row(self._window), self._packs]), dtype=torch.float64
+        )
         calls = [ms for step in self._window for ms in step.collective_calls_ms]
         self._window.clear()
-        table = _all_gather_rows(row, all_gather)  # (R, 1 + len(SERIES))
+        self._packs = np.zeros(_PACK_COLUMNS)
+        gathered = _all_gather_rows(row, all_gather)  # (R, 1 + len(SERIES) + 2)
+        table = gathered[:, :-_PACK_COLUMNS]  # (R, 1 + len(SERIES))
+        self._unlogged_packs = self._unlogged_packs + gathered[:, -_PACK_COLUMNS:].sum(axis=0)
         # time in FSDP's collectives -> the wait there, call by call (all ranks decide alike
         # from the gathered table whether to gather the calls: only where collectives ran)
         if table[:, 1 + MEASURED_PHASES.index(COLLECTIVE_WAIT)].any():
@@ -173,12 +196,16 @@ class StragglerRecorder:
         self._unlogged = self._unlogged + table
 
     def metrics(self) -> dict[str, float]:
-        """The ``straggler/*`` metrics (per-rank means) of the steps gathered since the last
-        call, the same on every rank; empty when some rank gathered no step."""
+        """The metrics of what was gathered since the last call, the same on every rank: the
+        ``straggler/*`` metrics (per-rank means; none when some rank gathered no step) and
+        ``packing/efficiency``, every rank's real tokens over their capacity (none without a
+        noted pack)."""
         table, self._unlogged = self._unlogged, np.zeros_like(self._unlogged)
-        if not len(table) or table[:, 0].min() == 0:
-            return {}
-        return per_rank_metrics(table)
+        (tokens, capacity), self._unlogged_packs = self._unlogged_packs, np.zeros(_PACK_COLUMNS)
+        metrics = {} if not len(table) or table[:, 0].min() == 0 else per_rank_metrics(table)
+        if capacity > 0:
+            metrics["packing/efficiency"] = float(tokens / capacity)
+        return metrics
 
     def abort(self) -> None:
         """After a failure: writes the steps resolved so far, drops the open step and the
@@ -186,6 +213,7 @@ class StragglerRecorder:
         if self._file is not None:
             self.collect()
         self._window.clear()
+        self._packs = np.zeros(_PACK_COLUMNS)
         self.timer.discard_step()
         self.close()
 

@@ -1,35 +1,68 @@
-"""The main job: one invocation trains off, overlap and source on 2 CPU processes (gloo), each
-mode twice in ABBA order, prints the comparison and a figure, and writes TensorBoard logs that we
-read back. No timing is asserted: only the comparison's structure, how its figures are derived,
-and what each run trained."""
+"""The main job: one invocation trains off, overlap, source and encoder on 2 CPU processes
+(gloo), each mode twice in ABBA order, prints one line per run, the comparison with its spread and
+a figure, and writes TensorBoard logs that we read back. No timing is asserted: only the
+comparison's structure, how its figures are derived, what each run trained, and the shape of what
+the job prints (quiet by default: none of Lightning's banners, no third-party deprecation
+warnings)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
+import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 import lightning_vlmbalance as vb
-from examples.train import ReadAheadLoader, compare, schedule
+from examples.train import (
+    LIGHTNING_LOGGERS,
+    QUIET_WARNINGS,
+    ReadAheadLoader,
+    _pct,
+    compare,
+    headline,
+    quiet_lightning,
+    run_line,
+    schedule,
+)
 from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 from tests.launch import run_module
 
 SMALL = ("--num-samples", "400", "--seq-len", "256", "--vision-dim", "64", "--vision-layers", "1")
 
 
+# what Lightning prints at every Trainer unless told otherwise, on stdout or stderr
+BANNERS = (
+    "GPU available",
+    "TPU available",
+    "💡 Tip",
+    "LOCAL_RANK",
+    "Initializing distributed",
+    "distributed_backend=",
+    "`Trainer.fit` stopped",
+    "Trainable params",  # a model summary
+)
+
+
+class MainJob(NamedTuple):
+    summary: dict
+    stdout: str
+    stderr: str
+
+
 @pytest.fixture(scope="module")
-def main_job(tmp_path_factory) -> tuple[dict, str]:
+def main_job(tmp_path_factory) -> MainJob:
+    """The job as a reader runs it: default output (no progress-bar flag), a small config."""
     root = tmp_path_factory.mktemp("main_job")
-    proc = run_module(
-        "examples.train", "--root", str(root), "--no-progress-bar", *SMALL, timeout=600
-    )
+    proc = run_module("examples.train", "--root", str(root), *SMALL, timeout=600)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("SUMMARY_JSON "))
-    return json.loads(line.removeprefix("SUMMARY_JSON ")), proc.stdout
+    return MainJob(json.loads(line.removeprefix("SUMMARY_JSON ")), proc.stdout, proc.stderr)
 
 
 def _scalars(log_dir: str) -> EventAccumulator:
@@ -122,7 +155,7 @@ def test_the_headline_gain_is_whole_run_tokens_per_s_over_every_round() -> None:
 
 
 def test_the_main_job_compares_the_modes_on_the_same_samples(main_job) -> None:
-    summary, stdout = main_job
+    summary, stdout, _ = main_job
     modes = summary["modes"]
     assert list(modes) == ["off", "overlap", "source", "encoder"] and summary["ranks"] == 2
     assert summary["rounds"] == 2
@@ -176,14 +209,14 @@ def test_the_main_job_compares_the_modes_on_the_same_samples(main_job) -> None:
         assert re.search(rf"^  {mode}: vision fwd .* \(refits adopted at steps ", stdout, re.M)
     for mode in modes:
         assert re.search(rf"^\| {mode} \| \d+ \| ", stdout, re.M), mode
-    assert f"Best: {best}, " in stdout and "tokens/s over off (whole runs, 2 round(s)" in stdout
+    assert f"\nBest: {best}, " in stdout
     figure = Path(summary["figure"])
     assert figure.is_file() and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"Figure (busy and vision time per rank, per mode): {figure}" in stdout
 
 
 def test_every_mode_logs_to_tensorboard(main_job) -> None:
-    summary, _ = main_job
+    summary, _, _ = main_job
     for mode, s in summary["modes"].items():
         assert [Path(r["log_dir"]).name for r in s["by_round"]] == [mode, f"{mode}_1"]
         for r in s["by_round"]:
@@ -212,3 +245,181 @@ def test_every_mode_logs_to_tensorboard(main_job) -> None:
     for chart in category.chart:
         (regex,) = chart.multiline.tag
         assert any(re.fullmatch(regex, t) for t in tags), regex
+
+
+def _summary(mode: str, seconds: float, tokens: int = 1000, **extra) -> dict:
+    """A run's summary as ``RunSummary`` writes it (the keys ``run_line`` reads)."""
+    return {
+        "mode": mode,
+        "seconds": seconds,
+        "tokens": tokens,
+        "optimizer_steps": 10,
+        "tokens_per_s": round(tokens / seconds, 1),
+        "steps_per_s_median": 2.0,
+        "waste_frac": 0.125,
+        "moved_packs": 0,
+        "moved_images": 0,
+        **extra,
+    }
+
+
+def test_each_run_prints_one_line_with_the_gain_over_its_rounds_off() -> None:
+    """As each run ends: one line, and its gain over the same round's off (the pairing of the
+    headline's per-round gains); in a backward round off runs last, and its line gives them."""
+    modes = ["off", "overlap", "source"]
+    order = schedule(modes, 2)
+    seconds = {(0, "off"): 10.0, (0, "overlap"): 8.0, (0, "source"): 12.5}
+    seconds |= {(1, "source"): 9.0, (1, "overlap"): 11.0, (1, "off"): 10.0}
+    rounds: dict[int, dict] = {}
+    lines = []
+    for n, (k, mode) in enumerate(order, 1):
+        s = _summary(mode, seconds[k, mode], moved_packs=3 if mode == "overlap" else 0)
+        rounds.setdefault(k, {})[mode] = s
+        lines.append(run_line(s, k, n, len(order), rounds[k]))
+    assert [line.split(":")[0] for line in lines] == [f"run {n}/6" for n in range(1, 7)]
+    assert lines[0].startswith("run 1/6: off      round 0       100 tokens/s     10.0 s")
+    assert "median step   500 ms  waiting 12.5%  moved 0 packs, 0 images" in lines[0]
+    assert "|" not in lines[0]  # the first off: nothing to compare with yet
+    assert lines[1].endswith("moved 3 packs, 0 images  | +25.0% vs round 0's off")
+    assert lines[2].endswith("| -20.0% vs round 0's off")
+    # round 1 runs backward: off comes last, and its line carries the round's gains
+    assert lines[3].endswith("| vs off: on round 1's off line (it runs last)")
+    assert lines[4].endswith("| vs off: on round 1's off line (it runs last)")
+    assert lines[5].endswith("| round 1 vs this off: source +11.1%, overlap -9.1%")
+    # the same figures as the comparison's per-round gains
+    gains = compare({m: [rounds[0][m], rounds[1][m]] for m in modes})
+    assert gains["source"]["gain_by_round"] == [-0.2, 0.1111]
+    assert gains["overlap"]["gain_by_round"] == [0.25, -0.0909]
+    # one mode alone (no off): no gain column
+    assert "|" not in run_line(_summary("source", 9.0), 0, 1, 1, {}, with_off=False)
+
+
+def test_the_headline_carries_every_rounds_gain_and_their_median() -> None:
+    """The headline is not one figure alone: each round's gain, their median, and whether the
+    rounds agree in sign."""
+    runs = {
+        "off": [_run(10.0, [1.0]), _run(10.0, [1.0])],
+        "source": [_run(10.0 / 1.394, [1.0]), _run(10.0 / 0.998, [1.0])],
+    }
+    modes = compare(runs)
+    s = modes["source"]
+    assert s["gain_by_round"] == [0.394, -0.002] and s["gain_median_over_rounds"] == 0.196
+    summary = {
+        "best_mode": "source",
+        "gain_vs_off": s["gain_vs_off"],
+        "gain_by_round": s["gain_by_round"],
+        "gain_median_over_rounds": s["gain_median_over_rounds"],
+    }
+    assert headline(summary) == (
+        f"Best: source, {_pct(s['gain_vs_off'])} tokens/s over off (whole runs; rounds: +39.4%,"
+        " -0.2%; median +19.6%; the rounds disagree: not a stable gain)"
+    )
+    steady = {**summary, "gain_by_round": [0.1, 0.2, 0.15], "gain_median_over_rounds": 0.15}
+    assert headline(steady).endswith(
+        "rounds: +10.0%, +20.0%, +15.0%; median +15.0%; a gain in every round)"
+    )
+    losing = {**summary, "gain_by_round": [-0.1, 0.0], "gain_median_over_rounds": -0.05}
+    assert headline(losing).endswith("; no round gains)")
+    one = {**summary, "gain_by_round": [0.1], "gain_median_over_rounds": 0.1}
+    assert headline(one).endswith("rounds: +10.0%; median +10.0%; one round: no spread)")
+    assert modes["off"]["gain_median_over_rounds"] == 0.0
+    assert compare({"ddp": [_run(10.0, [1.0])]})["ddp"]["gain_median_over_rounds"] is None
+
+
+def test_the_job_filters_only_the_known_third_party_warnings() -> None:
+    """``quiet_lightning`` drops the warnings Lightning's code draws from torch (and Lightning's
+    note about the example's hook) by message, category and module: the same message from
+    another module, another warning from those modules, and the package's own warnings show."""
+    # the messages as torch and Lightning word them, from the modules they are attributed to
+    known = [
+        (
+            "torch.distributed.nn.functional.all_gather is deprecated, use"
+            " torch.distributed._functional_collectives.all_gather_single instead.",
+            FutureWarning,
+            "lightning.fabric.utilities.distributed",
+        ),
+        (
+            "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)"
+            " and treespec.is_leaf()` instead.",
+            FutureWarning,
+            "lightning.pytorch.utilities._pytree",
+        ),
+        (
+            "You have overridden `on_after_batch_transfer` in `LightningModule` but have passed"
+            " in a `LightningDataModule`. It will use the implementation from `LightningModule`"
+            " instance.",
+            UserWarning,
+            "lightning.pytorch.trainer.connectors.data_connector",
+        ),
+    ]
+    assert len(known) == len(QUIET_WARNINGS)
+    shown = [
+        (message, category, "lightning_vlmbalance.balance.loader") for message, category, _ in known
+    ] + [
+        ("a rank's plan is late", UserWarning, "lightning_vlmbalance.balance.loader"),
+        ("something else is deprecated", FutureWarning, "lightning.fabric.utilities.distributed"),
+        (known[0][0], DeprecationWarning, "lightning.fabric.utilities.distributed"),
+    ]
+    levels = {name: logging.getLogger(name).level for name in LIGHTNING_LOGGERS}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_lightning()
+            for message, category, module in known + shown:
+                warnings.warn_explicit(message, category, f"{module}.py", 1, module=module)
+            assert all(
+                logging.getLogger(name).getEffectiveLevel() == logging.WARNING
+                for name in LIGHTNING_LOGGERS
+            )
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+    assert [(str(w.message), w.category) for w in caught] == [(m, c) for m, c, _ in shown]
+
+
+def test_the_main_job_prints_one_line_per_run_and_no_banners(main_job) -> None:
+    """What the default job prints: one line per mode and round as each run ends (rank 0
+    only), none of Lightning's banners, summaries or progress bars, no third-party warnings,
+    and the headline with every round's gain."""
+    summary, stdout, stderr = main_job
+    modes = summary["modes"]
+    order = schedule(list(modes), summary["rounds"])
+    pattern = re.compile(r"^run (\d+)/(\d+): (\S+) +round (\d+) +([\d,]+) tokens/s  .*$", re.M)
+    lines = [m for m in pattern.finditer(stdout)]
+    assert [(m[3], int(m[4])) for m in lines] == [(mode, k) for k, mode in order]
+    assert [(int(m[1]), int(m[2])) for m in lines] == [(n, 8) for n in range(1, 9)]
+    for m in lines:
+        mode, k = m[3], int(m[4])
+        run = modes[mode]["by_round"][k]
+        assert abs(int(m[5].replace(",", "")) - run["tokens_per_s"]) <= 1
+        text = m[0]
+        if mode != "off" and k == 0:  # off ran first in this round: the gain is there
+            assert text.endswith(f"| {_pct(run['gain_vs_off'])} vs round 0's off"), text
+        elif mode != "off":  # backward round: off runs last and gives the gains
+            assert text.endswith("| vs off: on round 1's off line (it runs last)"), text
+        elif k == 1:
+            gains = ", ".join(
+                f"{other} {_pct(modes[other]['by_round'][1]['gain_vs_off'])}"
+                for other in ("encoder", "source", "overlap")
+            )
+            assert text.endswith(f"| round 1 vs this off: {gains}"), text
+    # quiet: no banner, summary, progress bar or third-party warning, on either stream
+    for banner in BANNERS:
+        assert banner not in stdout and banner not in stderr, banner
+    assert "Epoch 0" not in stdout and "it/s" not in stdout  # no progress bar
+    assert "is deprecated" not in stderr, stderr
+    assert not re.search(r"site-packages/\S+\.py:\d+: ", stderr), stderr
+    assert len(stdout.splitlines()) + len(stderr.splitlines()) < 60, stdout + stderr
+    # the headline: the whole-run gain with each round's, their median and the verdict
+    best = modes[summary["best_mode"]]
+    assert summary["gain_by_round"] == best["gain_by_round"] and len(best["gain_by_round"]) == 2
+    gains = [g for g in best["gain_by_round"] if g is not None]
+    median = sum(gains) / len(gains)
+    assert summary["gain_median_over_rounds"] == pytest.approx(median, abs=1e-4)
+    rounds = ", ".join(_pct(g) for g in best["gain_by_round"])
+    head = re.search(r"^Best: .*$", stdout, re.M)
+    assert head and head[0].startswith(
+        f"Best: {summary['best_mode']}, {_pct(summary['gain_vs_off'])} tokens/s over off (whole"
+        f" runs; rounds: {rounds}; median {_pct(summary['gain_median_over_rounds'])}; "
+    ), head
+    assert headline(summary) in head[0]

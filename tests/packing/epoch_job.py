@@ -88,8 +88,23 @@ class EpochData(L.LightningDataModule):
         self.loaders.append(loader)
         return loader
 
+    def val_dataloader(self) -> Any:
+        if not self.args.validate:
+            return []
+        a = self.args
+        return vb.PackedDataLoader(
+            SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8),
+            sampler(seed=a.seed, window=a.window, balance=False),
+            vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
+            trainer=self.trainer,
+        )
+
 
 class EpochJob(Job):
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated.append((self.current_epoch, batch["meta"]["sample_ids"]))
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         self.trained.append(
             (
@@ -105,6 +120,7 @@ class EpochJob(Job):
     def on_train_start(self) -> None:
         super().on_train_start()
         self.trained: list[tuple] = []
+        self.validated: list[tuple] = []
 
     def on_train_end(self) -> None:
         loaders = self.trainer.datamodule.loaders
@@ -117,6 +133,7 @@ class EpochJob(Job):
             json.dumps(
                 {
                     "trained": self.trained,
+                    "validated": self.validated,
                     "planned": planned,
                     "optimizer_steps": self.trainer.global_step,
                     "loaders": len(self.trainer.datamodule.loaders),
@@ -151,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--overfit-batches", type=float, default=0.0)
     p.add_argument("--plain-loader", action="store_true")
+    p.add_argument("--validate", action="store_true", help="a PackedDataLoader validates")
     return p
 
 

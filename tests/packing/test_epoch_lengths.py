@@ -60,9 +60,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     )
     overfit = (*ONE_PLAIN, "--overfit-batches", "0.2", "--epochs", "3")
     args = {
-        "one_plain": (*ONE_PLAIN, *LONG),
+        "one_plain": (*ONE_PLAIN, *LONG, "--validate"),
         "ddp": (*DDP, *CHECKPOINT),
-        "ddp_reload": (*DDP, "--reload", *LONG),
+        "ddp_reload": (*DDP, "--reload", *LONG, "--validate"),
         "vlm_balance": (*VLM_BALANCE, *CHECKPOINT),
         "vlm_balance_reload": (*VLM_BALANCE, "--reload", *LONG),
         "fsdp_balance_reload": (*FSDP_BALANCE, "--reload"),
@@ -217,3 +217,16 @@ def test_a_loader_that_cannot_resume_is_not_made_resumable(runs: dict) -> None:
     _weights_follow_what_is_trained(whole)
     _weights_follow_what_is_trained(resumed)
     assert resumed[0]["optimizer_steps"] == whole[0]["optimizer_steps"]
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.jobs(n)) for n in ("one_plain", "ddp_reload")]
+)
+def test_a_packed_validation_loader_validates_every_sample_at_every_epoch(runs, name) -> None:
+    """A ``PackedDataLoader`` given its trainer validates epoch 0's plan every time: Lightning
+    reads a validation loader's length once, and a later epoch's longer plan lost its last
+    packs (297 of 300, then 296 of 300 samples validated)."""
+    ranks = _ranks(runs, name)
+    for epoch in range(EPOCHS):
+        ids = sorted(s for r in ranks for e, sids in r["validated"] if e == epoch for s in sids)
+        assert ids == list(range(SAMPLES)), f"epoch {epoch}: {len(ids)} validated"

@@ -340,5 +340,6 @@ def test_a_loader_without_its_trainer_warns_when_an_epoch_has_another_length() -
     loader = vb.PackedDataLoader(ds, s, vb.PackCollator(128, image_feature_shape=(8,)))
     assert len(loader) == counts[0]
     s.set_epoch(1)
+    assert len(loader) == counts[1]  # asked again (Lightning does): the first answer counts
     with pytest.warns(UserWarning, match=rf"epoch 1 has {counts[1]} packs .* said {counts[0]}"):
         next(iter(loader))

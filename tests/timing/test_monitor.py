@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import lightning_vlmbalance.timing as timing_pkg
 from harness.ranks import run_ranks
@@ -200,3 +201,40 @@ def test_collective_waits_subtract_each_calls_shortest_time() -> None:
     rough = collective_waits(table)
     assert rough[:, column].tolist() == [0.0, 30.0]
     assert (exact[:, column] >= rough[:, column]).all()
+
+
+def test_packing_efficiency_rides_the_gather_over_every_rank(clock, tmp_path) -> None:
+    """``packing/efficiency`` is the real tokens over the capacity of the packs noted on every
+    rank since the last ``metrics()``, gathers at checkpoint saves included; it rides the
+    timings' gather (the rows stay those of the timings) and is absent without a noted pack."""
+    recorder = StragglerRecorder()
+    recorder.start(tmp_path / "rank_0.jsonl", start_step=0, rank=0, world_size=2)
+    gathered: list[list[float]] = []
+
+    def all_gather(row):  # two ranks: rank 1 noted packs holding 100 of 128 tokens
+        gathered.append(row.tolist())
+        other = row.clone()
+        other[-2:] = torch.tensor([100.0, 128.0], dtype=row.dtype)
+        return torch.stack([row, other])
+
+    _train(recorder, clock, range(1, 3), vision_s=0.01)
+    recorder.note_pack(tokens=128, capacity=128)
+    recorder.note_pack(tokens=64, capacity=128)
+    recorder.gather(all_gather)  # a checkpoint save: gathered, not reported yet
+    recorder.note_pack(tokens=96, capacity=128)
+    recorder.gather(all_gather)  # a log point
+    assert [row[-2:] for row in gathered] == [[192.0, 256.0], [96.0, 128.0]]
+    assert all(len(row) == 1 + len(SERIES) + 2 for row in gathered)
+    metrics = recorder.metrics()
+    assert metrics["packing/efficiency"] == pytest.approx((192 + 96 + 2 * 100) / (5 * 128))
+    assert metrics["straggler/vision_fwd_ms/rank_1"] == pytest.approx(20.0)
+    assert recorder.steps_timed == 2  # the packs' columns are not timings
+    assert recorder.metrics() == {}  # nothing gathered since
+
+    alone = StragglerRecorder()  # no pack noted (batches that are not packed batches): no value
+    alone.start(tmp_path / "alone.jsonl", start_step=0)
+    _train(alone, clock, range(1, 2), vision_s=0.01)
+    alone.gather()
+    assert "packing/efficiency" not in alone.metrics()
+    alone.close()
+    recorder.close()
