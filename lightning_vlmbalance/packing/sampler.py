@@ -261,8 +261,28 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         changed = kept if kept and kept[-1][1] == model else [*kept, (from_batch, model)]
         if changed == schedule:
             return False
+        packs = self.packs_per_rank(epoch)
+        planned = self._plans.get(epoch)
         self._schedule = (epoch, changed)
         self._plans.pop(epoch, None)
+        grown = self.packs_per_rank(epoch)
+        if grown > packs:
+            # the rest of the epoch would take more packs than planned: Lightning's training
+            # loop follows, but a schedule sized from `trainer.estimated_stepping_batches`
+            # (OneCycleLR) would be stepped past its end. This epoch keeps its plan; later
+            # epochs are planned with the model
+            self._schedule = (epoch, schedule)
+            self._plans.pop(epoch, None)
+            if planned is not None:
+                self._plans[epoch] = planned
+            log.info(
+                "PackingSampler: the re-plan of epoch %d with the new cost model takes more"
+                " packs (%d > %d): the epoch keeps its plan, later epochs use the model",
+                epoch,
+                grown,
+                packs,
+            )
+            return False
         return True
 
     def schedule_state(self) -> list[list[Any]]:

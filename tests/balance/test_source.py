@@ -469,3 +469,39 @@ def test_a_loader_re_plans_past_what_it_has_read_and_resumes_on_the_same_packs()
         next(it)
     with pytest.raises(RuntimeError, match="furthest position"):
         behind.adopt_cost_model(_vision_heavy(), after=2)
+
+
+def test_a_re_plan_never_lengthens_the_epoch() -> None:
+    """Online calibration re-plans the rest of an epoch; a re-plan that would take more packs
+    (more optimizer steps than Lightning estimated: OneCycleLR sized from
+    ``estimated_stepping_batches`` raised "Tried to step 99 times" at the end of the run) is
+    not adopted for that epoch; the next epochs are planned with the new model."""
+    from lightning_vlmbalance.balance.cost import CostModel, _default_coefficients
+
+    rng = np.random.default_rng(0)
+    refused = 0
+    for seed in range(12):
+        table = synthetic_length_table(
+            1500, text_share=0.3, tile_tokens=16, max_text_tokens=256, seed=seed
+        )
+        for _ in range(3):
+            s = vb.PackingSampler(
+                table.total_tokens,
+                table.image_tokens,
+                seq_len=512,
+                seed=seed,
+                balance=vb.SourceBalance(micro_steps=3),
+                num_replicas=2,
+                rank=0,
+            )
+            before = s.packs_per_rank(0)
+            coefficients = {
+                phase: {k: v * float(rng.lognormal(0, 2)) for k, v in terms.items()}
+                for phase, terms in _default_coefficients().items()
+            }
+            model = CostModel(coefficients=coefficients)
+            adopted = s.adopt_cost_model(model, epoch=0, from_batch=int(rng.integers(1, 30)))
+            assert s.packs_per_rank(0) <= before
+            refused += not adopted
+            assert s.cost_schedule(1) == [(0, model)]  # later epochs: the new model
+    assert refused > 0, "no re-plan would have lengthened its epoch: the test proves nothing"
