@@ -43,6 +43,9 @@ __all__ = ["PackedDataLoader", "PackingSampler"]
 
 log = logging.getLogger(__name__)
 
+# epochs a loader plans ahead, before its first pass, for Lightning's step estimate
+ESTIMATE_EPOCHS = 16
+
 
 class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
     # A SequentialSampler to Lightning: it yields its plan in a fixed order (any shuffling is the
@@ -420,6 +423,15 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         self._sync_with_process_group()
         return self.plan(epoch).packs_per_rank
 
+    def packs_per_rank_planned(self, epoch: int) -> int:
+        """:meth:`packs_per_rank` of a future ``epoch`` with the cost model in use, planned
+        aside (the cache of the current and next epochs' plans is left as it is)."""
+        self._sync_with_process_group()
+        plan = self._plans.get(int(epoch))
+        if plan is None:
+            plan = self._build(self._settings(int(epoch)))
+        return plan.packs_per_rank
+
     def fingerprint(self) -> dict[str, Any]:
         """What must match for a saved position to mean the same packs after a resume."""
         self._sync_with_process_group()
@@ -629,13 +641,31 @@ class PackedDataLoader:
         if self._training():
             # Lightning asks before it calls ``set_epoch`` (and, on a resume, before this
             # loader's state is loaded): answer for the epoch it is about to train
-            return self.sampler.packs_per_rank(self._plan_epoch(seam.epoch_to_train(self.trainer)))
+            epoch = seam.epoch_to_train(self.trainer)
+            packs = self.sampler.packs_per_rank(self._plan_epoch(epoch))
+            if self._iter_epoch is None:  # before this loader's first pass: see _longest_plan
+                packs = max(packs, self._longest_plan(epoch))
+            return packs
         if self.trainer is not None:  # validation, test, predict: epoch 0's plan, every time
             return self.sampler.packs_per_rank(0)
         told = len(self.sampler)
         if self._told_len is None:  # the first answer is the one a Trainer keeps
             self._told_len = told
         return told
+
+    def _longest_plan(self, first: int) -> int:
+        """This rank's packs in the longest plan of epochs ``first`` to the fit's last (at most
+        :data:`ESTIMATE_EPOCHS` of them). What ``len`` answers before the first pass:
+        ``trainer.estimated_stepping_batches`` (what an LR schedule such as OneCycleLR is sized
+        from) multiplies that first answer by ``max_epochs``, and epochs plan different pack
+        counts (5 epochs: 100 steps estimated, 102 trained). Each epoch's own length is told to
+        the training loop when it starts (``refresh_epoch_batches``), so only the estimate sees
+        this bound: a schedule then ends at or after the last step, never before."""
+        last = self.trainer.max_epochs
+        if last is None or last < 0 or self._overfitting():
+            return 0
+        epochs = range(first + 1, min(int(last), first + ESTIMATE_EPOCHS))
+        return max((self.sampler.packs_per_rank_planned(e) for e in epochs), default=0)
 
     @property
     def weigh_steps(self) -> bool:

@@ -117,6 +117,19 @@ class EpochJob(Job):
         )
         return super().training_step(batch, batch_idx)
 
+    one_cycle = False  # --one-cycle
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        if not self.one_cycle:
+            return optimizer
+        # the usual schedule sized from Lightning's estimate: stepping past its end raises
+        self.estimated_steps = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=1e-3, total_steps=self.estimated_steps
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
     def on_train_start(self) -> None:
         super().on_train_start()
         self.trained: list[tuple] = []
@@ -136,6 +149,7 @@ class EpochJob(Job):
                     "validated": self.validated,
                     "planned": planned,
                     "optimizer_steps": self.trainer.global_step,
+                    "estimated_steps": getattr(self, "estimated_steps", None),
                     "loaders": len(self.trainer.datamodule.loaders),
                 }
             )
@@ -169,6 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overfit-batches", type=float, default=0.0)
     p.add_argument("--plain-loader", action="store_true")
     p.add_argument("--validate", action="store_true", help="a PackedDataLoader validates")
+    p.add_argument("--one-cycle", action="store_true", help="OneCycleLR over the estimate")
     return p
 
 
@@ -198,6 +213,7 @@ def _fit(args: argparse.Namespace) -> None:
         use_distributed_sampler=not args.plain_loader,  # its batch sampler is a list
     )
     model = EpochJob(args.out, **{**SMALL_VLM, "moe_experts": 0}, max_positions=SEQ_LEN)
+    model.one_cycle = args.one_cycle
     trainer.fit(model, datamodule=EpochData(args), ckpt_path=args.resume)
 
 

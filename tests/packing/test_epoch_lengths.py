@@ -60,9 +60,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     )
     overfit = (*ONE_PLAIN, "--overfit-batches", "0.2", "--epochs", "3")
     args = {
-        "one_plain": (*ONE_PLAIN, *LONG, "--validate"),
+        "one_plain": (*ONE_PLAIN, *LONG, "--validate", "--one-cycle"),
         "ddp": (*DDP, *CHECKPOINT),
-        "ddp_reload": (*DDP, "--reload", *LONG, "--validate"),
+        "ddp_reload": (*DDP, "--reload", *LONG, "--validate", "--one-cycle"),
         "vlm_balance": (*VLM_BALANCE, *CHECKPOINT),
         "vlm_balance_reload": (*VLM_BALANCE, "--reload", *LONG),
         "fsdp_balance_reload": (*FSDP_BALANCE, "--reload"),
@@ -230,3 +230,18 @@ def test_a_packed_validation_loader_validates_every_sample_at_every_epoch(runs, 
     for epoch in range(EPOCHS):
         ids = sorted(s for r in ranks for e, sids in r["validated"] if e == epoch for s in sids)
         assert ids == list(range(SAMPLES)), f"epoch {epoch}: {len(ids)} validated"
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.jobs(n)) for n in ("one_plain", "ddp_reload")]
+)
+def test_an_lr_schedule_sized_from_lightnings_estimate_is_never_stepped_past_its_end(
+    runs, name
+) -> None:
+    """OneCycleLR over ``trainer.estimated_stepping_batches`` (5 epochs): Lightning multiplies
+    the loader's first length by the epochs, and these epochs plan more packs than the first
+    (estimate 100 and 205 steps, 102 and 206 trained: "Tried to step 101 times" at the end).
+    The loader's first answer is the longest plan of the fit's epochs."""
+    for r in _ranks(runs, name):
+        assert r["optimizer_steps"] <= r["estimated_steps"], r["estimated_steps"]
+        assert r["optimizer_steps"] >= r["estimated_steps"] - 5  # and not far from it
