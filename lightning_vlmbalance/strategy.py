@@ -47,6 +47,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -229,6 +230,8 @@ class Rebalancer:
         # balanced at the source: the sampler formed and placed every global batch already, so
         # nothing moves and no exchange thread starts (only the loss weights are set)
         self.source_balanced = bool(getattr(sampler, "balanced", False))
+        if self.source_balanced:
+            self._one_model_with(sampler)
         config = (
             dataclasses.replace(self.config, mode="off") if self.source_balanced else self.config
         )
@@ -256,6 +259,28 @@ class Rebalancer:
         )
         return self.loader
 
+    def _one_model_with(self, sampler: Any) -> None:
+        """A sampler that balances at the source plans with the model in use: before any refit
+        was adopted that is the sampler's own (``balance=SourceBalance(cost_model=...)``), which
+        the calibrator then judges candidates against and ``calibration/mape_*`` reports; after
+        one, a sampler made later (``reload_dataloaders_every_n_epochs``) plans with the adopted
+        model, not its starting one."""
+        calibrated = self.calibrator is not None and self.calibrator.version > 0
+        if calibrated and self.cost_model is not None:
+            sampler.use_cost_model(self.cost_model)
+            return
+        if self.cost_model is not None and self.cost_model != sampler.cost_model:
+            warnings.warn(
+                f"`{type(self.strategy).__name__}(cost_model=...)` differs from the cost model"
+                " of the training loader's sampler (`PackingSampler(balance=...)`), which plans"
+                " every global batch at the source: the sampler's is the model in use (and the"
+                " one online calibration refines); give the model to the sampler",
+                stacklevel=2,
+            )
+        self.cost_model = sampler.cost_model
+        if self.calibrator is not None:
+            self.calibrator.model = sampler.cost_model
+
     def adopt(
         self, model: CostModel, *, global_step: int, sampler_after: int | None = None
     ) -> int | None:
@@ -276,6 +301,11 @@ class Rebalancer:
             packed.adopt_cost_model(model, after=sampler_after)
         trained = max(0, global_step - self._wrapped_at_step)  # global batches of this loader
         from_batch = trained + _PLANNED_AHEAD + 1
+        if self.loader.planned_batches == 0:
+            # nothing planned yet on any rank (a resume adopts the checkpoint's model before
+            # the first batch is read): from the first global batch (it once planned 3 with
+            # the starting model)
+            from_batch = 0
         self.loader.adopt_cost_model(model, from_batch)
         return from_batch
 

@@ -226,6 +226,19 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         one, or the last adopted (:meth:`adopt_cost_model`)."""
         return self._latest_model
 
+    def use_cost_model(self, model: CostModel) -> None:
+        """Plans every epoch with ``model`` from its start, as if the sampler had been built with
+        it: for a sampler that has trained nothing yet (a loader reloaded by
+        ``reload_dataloaders_every_n_epochs`` after online calibration adopted ``model``; it
+        planned with its starting model before).
+
+        Raises:
+            ValueError: for an unbalanced sampler.
+        """
+        if self.source_balance is None:
+            raise ValueError("`PackingSampler.use_cost_model`: the sampler is not balanced")
+        self._latest_model, self._schedule, self._plans = model, None, {}
+
     def cost_schedule(self, epoch: int | None = None) -> list[tuple[int, CostModel]]:
         """The cost models ``epoch`` (default: the current one) is planned with: ``[(first
         global batch, model), ...]``."""

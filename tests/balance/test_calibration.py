@@ -183,3 +183,61 @@ def test_a_candidate_must_beat_the_current_model_by_min_gain() -> None:
         assert refit.accepted is adopted and cal.version == int(adopted), refit
         if not adopted:
             assert refit.reason == "the candidate predicts less than 95% better"
+
+
+# -- the joints: the model the sampler plans with is the model calibration judges ---------------
+
+
+def _balanced_sampler(model: CostModel | None = None):
+    import lightning_vlmbalance as vb
+    from lightning_vlmbalance.synthetic import synthetic_length_table
+
+    table = synthetic_length_table(200, text_share=0.3, tile_tokens=8, max_text_tokens=64, seed=1)
+    balance = vb.SourceBalance(cost_model=model, micro_steps=2)
+    return vb.PackingSampler(
+        table.total_tokens, table.image_tokens, seq_len=128, balance=balance, num_replicas=1
+    )
+
+
+def test_the_calibrator_judges_the_model_the_sampler_plans_with() -> None:
+    """``balance=SourceBalance(cost_model=...)`` and no strategy model: the model in use is
+    the sampler's, and the calibrator judged candidates against the strategy's default instead
+    (a refit worse than the file's model could be adopted; ``calibration/mape_*`` reported the
+    default's error)."""
+    import lightning_vlmbalance as vb
+
+    own = _scaled(CostModel(), 3.0, 3.0)
+    strategy = vb.VLMBalanceStrategy()
+    rebalancer = strategy.rebalancer
+    rebalancer._one_model_with(_balanced_sampler(own))
+    assert rebalancer.calibrator.model == own and rebalancer.cost_model == own
+
+
+def test_a_reloaded_sampler_plans_with_the_adopted_model() -> None:
+    """``reload_dataloaders_every_n_epochs`` after an adopted refit: the new loader's sampler
+    plans with the adopted model (version 1), not its starting one."""
+    import lightning_vlmbalance as vb
+
+    strategy = vb.VLMBalanceStrategy()
+    rebalancer = strategy.rebalancer
+    rebalancer._one_model_with(_balanced_sampler())
+    adopted = _scaled(CostModel(), 0.5, 0.5)
+    rebalancer.calibrator.adopt(adopted)
+    rebalancer.cost_model = adopted  # what Rebalancer.adopt sets on every rank
+    reloaded = _balanced_sampler()
+    rebalancer._one_model_with(reloaded)
+    assert reloaded.cost_model == adopted and reloaded.cost_schedule(0) == [(0, adopted)]
+
+
+def test_a_resume_plans_its_first_global_batch_with_the_checkpoints_model() -> None:
+    """A resume adopts the checkpoint's model before any global batch is planned: it applies
+    from the first one (it was the fourth: three planned with the starting model)."""
+    import lightning_vlmbalance as vb
+    from lightning_vlmbalance.balance.loader import RebalancingLoader
+
+    strategy = vb.VLMBalanceStrategy(mode="off")
+    rebalancer = strategy.rebalancer
+    rebalancer.loader = RebalancingLoader([], micro_steps=2, world_size=1, rank=0, mode="off")
+    checkpointed = _scaled(CostModel(), 2.0, 2.0)
+    assert rebalancer.adopt(checkpointed, global_step=40) == 0
+    assert rebalancer.loader._model_for_next_batch() == checkpointed
