@@ -100,7 +100,8 @@ class Rebalancer:
     Args:
         strategy: the owning strategy (its ranks, root device and LightningModule are used).
         config: the rebalancing options.
-        cost_model: a :class:`CostModel`, a path to one saved as JSON, or ``None`` (defaults).
+        cost_model: a :class:`CostModel`, a path (``str`` or ``os.PathLike``) to one saved as
+            JSON, or ``None`` (defaults).
         sync_every_micro_batch: whether the ranks synchronise at every micro-batch under this
             strategy (decides ``objective="auto"`` and where SIGTERM is agreed on).
         gpu_payloads: on CUDA with NCCL, payloads travel GPU to GPU on an NCCL group of their own.
@@ -117,7 +118,13 @@ class Rebalancer:
     ) -> None:
         self.strategy = strategy
         self.config = config.resolved(sync_every_micro_batch=sync_every_micro_batch)
-        self.cost_model = CostModel.load(cost_model) if isinstance(cost_model, str) else cost_model
+        loadable = isinstance(cost_model, str | os.PathLike)
+        self.cost_model = CostModel.load(cost_model) if loadable else cost_model
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise TypeError(
+                f"`{type(strategy).__name__}(cost_model={cost_model!r})`: expected a CostModel"
+                " or the path of one saved as JSON"
+            )
         self.sync_every_micro_batch = sync_every_micro_batch
         self.gpu_payloads = gpu_payloads
         self.loader: RebalancingLoader | None = None

@@ -270,11 +270,13 @@ def usable_records(records: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def _usable(rec: Mapping[str, Any]) -> bool:
-    """Has every pack feature and at least one measured time, each a finite number >= 0."""
+    """Has every pack feature and at least one measured time, each a finite number >= 0, and
+    some time above zero (a micro-batch takes time: all zeros are a timer that did not run,
+    whose relative errors are NaN)."""
     if not isinstance(rec, Mapping) or not all(_number(rec.get(f)) for f in FEATURES):
         return False
     times = [rec[m] for m in MEASURED_FIELDS if rec.get(m) is not None]
-    return bool(times) and all(_number(t) for t in times)
+    return bool(times) and all(_number(t) for t in times) and sum(times) > 0
 
 
 def _number(value: Any) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -73,6 +74,10 @@ _MEASURED = {
 # the measured per-micro-batch times a fit uses (StragglerMonitor record keys)
 MEASURED_FIELDS: tuple[str, ...] = tuple(_MEASURED)
 _FORMAT_VERSION = 1
+
+
+# the largest pack cost the planner takes (integer microseconds: int64 holds 2.9e5 years)
+MAX_PACK_COST_MS = 3.2e10
 
 
 def _default_coefficients() -> dict[str, dict[str, float]]:
@@ -244,8 +249,27 @@ class CostModel:
         return np.asarray(per_image, dtype=np.float64).reshape(tokens.shape), float(per_call)
 
     def pack_cost_us(self, features: Mapping[str, Any]) -> np.ndarray:
-        """:meth:`pack_cost_ms` rounded to integer microseconds: the planner's input."""
-        return np.rint(self.pack_cost_ms(features) * 1000.0).astype(np.int64)
+        """:meth:`pack_cost_ms` rounded to integer microseconds: the planner's input.
+
+        Raises:
+            ValueError: for a cost that integer microseconds cannot hold (a pack predicted to
+                take more than :data:`MAX_PACK_COST_MS`: the model's coefficients are far off),
+                naming the pack and the model's largest coefficient.
+        """
+        cost_ms = self.pack_cost_ms(features)
+        too_big = np.flatnonzero(~(cost_ms <= MAX_PACK_COST_MS))
+        if len(too_big):
+            i = int(too_big[0])
+            phase, term, value = max(
+                ((p, t, v) for p, terms in self.coefficients.items() for t, v in terms.items()),
+                key=lambda c: c[2],
+            )
+            raise ValueError(
+                f"CostModel: pack {i} is predicted to take {float(cost_ms[i]):.3g} ms, more than"
+                f" {MAX_PACK_COST_MS:.0e} ms (a year): the model's coefficients are far off"
+                f" (its largest: {phase}.{term} = {value:.3g} ms per unit)"
+            )
+        return np.rint(cost_ms * 1000.0).astype(np.int64)
 
     # -- calibration ------------------------------------------------------------------------
 
@@ -424,12 +448,14 @@ class CostModel:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> CostModel:
+    def load(cls, path: str | os.PathLike[str]) -> CostModel:
         """The model saved at ``path`` (errors name the file)."""
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ValueError(f"CostModel.load: {path} is not JSON: {err}") from err
+        except UnicodeDecodeError as err:
+            raise ValueError(f"CostModel.load: {path} is not UTF-8 text (JSON): {err}") from err
         try:
             return cls.from_dict(data)
         except ValueError as err:

@@ -22,6 +22,7 @@ on the newest records (its prediction error over time).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Any
 
@@ -55,6 +56,17 @@ class CalibrationDriver:
         self._result: Refit | None = None  # rank 0: finished, not shipped yet
         self._lock = threading.Lock()
         self.shipped: list[dict[str, Any]] = []  # every result adopted, as shipped (rank 0's)
+        self._told_reason: str | None = None
+        if self.is_rank_zero:
+            log.info(
+                "lightning_vlmbalance: online calibration gathers timings every %d optimizer"
+                " steps; the first refit is fitted after step %d and can be adopted at step %d"
+                " (calibration/* metrics from step %d on)",
+                self.every,
+                self.every,
+                2 * self.every,
+                self.every,
+            )
 
     def note(self, steps: list[Any]) -> None:
         """Keeps the micro-batch records of newly resolved steps (``ResolvedStep``)."""
@@ -100,6 +112,15 @@ class CalibrationDriver:
         metrics["calibration/window_records"] = float(self.calibrator.records)
         if result is not None:
             metrics["calibration/accepted"] = float(result["accepted"])
+            reason = result.get("reason")
+            kind = re.sub(r"[\d.]+", "#", reason or "")  # the reason, its numbers aside
+            if not result["accepted"] and reason and kind != self._told_reason:
+                log.warning(
+                    "lightning_vlmbalance: the cost-model refit at step %d was not adopted: %s",
+                    global_step,
+                    reason,
+                )
+                self._told_reason = kind  # said once per kind of reason
             for key in ("error_current", "error_candidate"):
                 if result.get(key) is not None:
                     metrics[f"calibration/{key}"] = float(result[key])

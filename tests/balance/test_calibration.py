@@ -241,3 +241,43 @@ def test_a_resume_plans_its_first_global_batch_with_the_checkpoints_model() -> N
     checkpointed = _scaled(CostModel(), 2.0, 2.0)
     assert rebalancer.adopt(checkpointed, global_step=40) == 0
     assert rebalancer.loader._model_for_next_batch() == checkpointed
+
+
+def test_records_with_no_time_at_all_are_skipped() -> None:
+    """All-zero timings (a timer that did not run) gave a NaN error, then a false stage change
+    that dropped the window: they are skipped and counted, like other bad records."""
+    from lightning_vlmbalance.balance.calibration import usable_records
+
+    good = _records(CostModel(), 4, seed=3)
+    zero = [{**r, "vision_fwd_ms": 0.0, "llm_fwd_ms": 0.0, "backward_ms": 0.0} for r in good]
+    assert usable_records(good + zero) == good
+
+
+def test_a_refit_that_is_not_adopted_says_why(caplog) -> None:
+    """``calibration/accepted=0`` alone never said why (``max_records=3``: fewer records than
+    terms, so the fit fails): rank 0 logs the reason once per kind, and when the first refit
+    comes."""
+    import logging
+    from types import SimpleNamespace
+
+    import lightning_vlmbalance as vb
+    from lightning_vlmbalance.callbacks._calibration import CalibrationDriver
+    from lightning_vlmbalance.parallel import DataParallelWorld
+
+    config = vb.RebalanceConfig(calibration=Calibration(every_n_steps=2, max_records=3))
+    rebalancer = vb.VLMBalanceStrategy(config=config).rebalancer
+    world = DataParallelWorld(size=1, rank=0, world_size=1, global_rank=0, gradient_ranks=1)
+    with caplog.at_level(logging.INFO, logger="lightning_vlmbalance"):
+        driver = CalibrationDriver(rebalancer, world)
+        records = _records(CostModel(), 64, seed=5)
+        for step in (2, 4, 6, 8):
+            for s in range(step - 1, step + 1):
+                batch = records[(s % 8) * 8 : (s % 8) * 8 + 8]
+                driver.note([SimpleNamespace(global_step=s, micro=batch)])
+            metrics = driver.feed(step)
+            driver.join()
+    assert "the first refit is fitted after step 2 and can be adopted at step 4" in caplog.text
+    assert metrics["calibration/accepted"] == 0.0
+    told = [r.message for r in caplog.records if "was not adopted" in r.message]
+    failed = [m for m in told if "fit failed" in m and "fewer than the 4 terms" in m]
+    assert len(failed) == 1, told  # steps 6 and 8 failed alike: said once

@@ -403,3 +403,33 @@ def test_a_prior_the_records_contradict_is_set_to_zero() -> None:
     assert model.coefficients["vision_bwd"]["image_pack"] == 0.0
     assert "image_pack" in report.determined["backward_ms"]
     assert report.mape["backward_ms"] < 0.01, report
+
+
+def test_a_model_file_is_loaded_from_a_path_and_bad_files_are_named(tmp_path) -> None:
+    """``cost_model=Path(...)`` loads like a ``str`` (it once failed at the first calibration
+    point: no ``evaluate`` on a PosixPath); a file that is not UTF-8 is a ``ValueError`` naming
+    it (it was a bare ``UnicodeDecodeError``)."""
+    import lightning_vlmbalance as vb
+
+    path = tmp_path / "cost.json"
+    CostModel().save(path)
+    assert vb.VLMBalanceStrategy(cost_model=path).rebalancer.cost_model == CostModel()
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes('{"coefficients": "\xe9"}'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.json is not UTF-8"):
+        CostModel.load(bad)
+    with pytest.raises(TypeError, match="expected a CostModel or the path"):
+        vb.VLMBalanceStrategy(cost_model=3)
+
+
+def test_coefficients_far_off_are_named_not_overflowed() -> None:
+    """Coefficients x1e16 passed validation and overflowed the planner's integer microseconds
+    ("pack 0 has a negative cost -9223372036854775808"): named, with the largest coefficient."""
+    data = CostModel().to_dict()
+    for terms in data["coefficients"].values():
+        for k in terms:
+            terms[k] *= 1e16
+    model = CostModel.from_dict(data)
+    features = {f: np.array([4096]) for f in FEATURES}
+    with pytest.raises(ValueError, match=r"pack 0 is predicted to take .* ms.*largest: "):
+        model.pack_cost_us(features)
