@@ -196,10 +196,17 @@ def check_weighted_for(batch: dict[str, Any], module: Any) -> None:
     )
     got = tuple(batch.get("meta", {}).get("weighted_for", (1, 1)))
     if got != expected:
+        was_none = ""
+        if batch.get("meta", {}).get("loader_trainer_was_none"):
+            was_none = (
+                ". The loader was built with `trainer=None`: `self.trainer` is None where it"
+                " was built (a LightningDataModule's `__init__` runs before the Trainer is"
+                " attached); build it in `train_dataloader()`"
+            )
         raise ValueError(
             f"the batch's loss_weight assumes {got[0]} rank(s) x {got[1]} micro-step(s) per"
             f" optimizer step, but this Trainer averages gradients over {expected[0]} rank(s)"
             f" with `accumulate_grad_batches={expected[1]}`: the gradient would not be that of"
             " the token-mean loss. Build the training loader as `PackedDataLoader(...,"
-            " trainer=self.trainer)`, or use `Trainer(strategy='vlmbalance')`"
+            " trainer=self.trainer)`, or use `Trainer(strategy='vlmbalance')`" + was_none
         )

@@ -137,6 +137,7 @@ class Rebalancer:
         self._sigterm_pending = False
         self._logged_batches = 0
         self._wrapped_for: tuple[int, int] | None = None  # (trainer, epoch) of the last wrap
+        self._told_unpacked = False  # a training loader that is not one of the packed ones
         # online calibration (driven by the StragglerMonitor, which has the timings): the
         # calibrator on every rank (rank 0 fits), and the optimizer step the loader was made at
         calibration = self.config.calibration
@@ -233,6 +234,18 @@ class Rebalancer:
             # it needs the trainer for each epoch's length, its optimizer steps and
             # overfit_batches; the RebalancingLoader made below weighs the steps (it says so)
             dataloader.trainer = trainer
+        elif not self._told_unpacked:
+            self._told_unpacked = True
+            warnings.warn(
+                f"`{type(self.strategy).__name__}`: the training loader is a"
+                f" {type(dataloader).__name__}, not a `PackedDataLoader` or"
+                " `PackedStreamLoader`: its batches are rebalanced as they come (packed only if"
+                " its collate function packs them), and a checkpoint taken mid-epoch resumes"
+                " from the epoch's first batch, not where it stopped. Use"
+                " `lightning_vlmbalance.PackedDataLoader` (map-style data) or"
+                " `PackedStreamLoader` (streams)",
+                stacklevel=2,
+            )
         sampler = getattr(dataloader, "sampler", None)
         # balanced at the source: the sampler formed and placed every global batch already, so
         # nothing moves and no exchange thread starts (only the loss weights are set)
@@ -701,6 +714,34 @@ class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):
 
 
 VLMBalanceStrategy.register_strategies(StrategyRegistry)  # the names work once imported
+
+
+def _fabric_refusal(name: str) -> Any:
+    def refuse(**_: Any) -> Any:
+        raise ValueError(
+            f"`Fabric(strategy={name!r})`: lightning_vlmbalance's strategies work with the"
+            " Lightning `Trainer` only (they rebalance the training loader Lightning's fit loop"
+            " drives, through its hooks and checkpoints); Fabric has neither. Under Fabric use"
+            " `strategy='ddp'` with `PackedDataLoader` (its `loss_weight` per optimizer step is"
+            " in `lightning_vlmbalance.loss`), or train with `L.Trainer(strategy="
+            f"{name!r})`"
+        )
+
+    return refuse
+
+
+def _refuse_under_fabric() -> None:
+    """Fabric has a strategy registry of its own: the names are taken there by a refusal that
+    says why, not Fabric's generic "invalid strategy name"."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
+
+    for name in (*_STRATEGY_NAMES, "fsdp_vlmbalance"):
+        FABRIC_STRATEGIES.register(
+            name, _fabric_refusal(name), description="Trainer only (refused)", override=True
+        )
+
+
+_refuse_under_fabric()
 
 
 class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):

@@ -43,6 +43,7 @@ __all__ = ["PackedDataLoader", "PackingSampler"]
 
 log = logging.getLogger(__name__)
 
+_NO_TRAINER: Any = object()  # PackedDataLoader(trainer=...) not given
 # epochs a loader plans ahead, before its first pass, for Lightning's step estimate
 ESTIMATE_EPOCHS = 16
 
@@ -605,7 +606,7 @@ class PackedDataLoader:
         sampler: PackingSampler,
         collate_fn: PackCollator | None = None,
         *,
-        trainer: Any = None,
+        trainer: Any = _NO_TRAINER,
         **dataloader_kwargs: Any,
     ) -> None:
         if len(dataset) != len(sampler.total_tokens):
@@ -616,7 +617,10 @@ class PackedDataLoader:
         check_dataloader_kwargs("PackedDataLoader", dataloader_kwargs, "the PackingSampler")
         self.dataset = dataset
         self.sampler = sampler
-        self.trainer = trainer
+        # `trainer=self.trainer` where it is still None (a DataModule's __init__ runs before the
+        # Trainer is attached): said in the error a weighted loss raises
+        self._given_none = trainer is None
+        self.trainer = None if trainer is _NO_TRAINER else trainer
         self._weighed_by: object | None = None  # a wrapper that weighs the steps itself
         self.collate_fn = collate_fn or PackCollator(sampler.config.seq_len)
         self.dataloader_kwargs = dataloader_kwargs
@@ -760,6 +764,8 @@ class PackedDataLoader:
             batches = self._weighted_steps(self.trainer, start)
         for batch in batches:
             self._delivered += 1
+            if self._given_none and self.trainer is None and isinstance(batch.get("meta"), dict):
+                batch["meta"]["loader_trainer_was_none"] = True
             if self._delivered > lead:
                 yield batch
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -295,7 +297,12 @@ def _one_rank_fit(rank: int, world: int, case: str) -> dict:
     )
     trainer.limit_train_batches = 2
     model = Model("/tmp", **SMALL_VLM, max_positions=128)
-    trainer.fit(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    seen["unpacked_warnings"] = [
+        str(w.message) for w in caught if "not a `PackedDataLoader`" in str(w.message)
+    ]
     return seen
 
 
@@ -315,25 +322,35 @@ def test_seed_everything_seeds_the_workers_the_strategy_runs() -> None:
 
     status, seen = run_ranks(_one_rank_fit, 1, "seeded_workers", start_method="forkserver")[0]
     assert status == "ok", seen
+    warned = seen.pop("unpacked_warnings")
     assert seen == {"plain": True, "packed": True, "plain_blocked": True, "packed_blocked": True}
+    # the plain DataLoader of epoch 0 is named, once, with the packed loaders to use instead
+    assert len(warned) == 1 and "DataLoader, not a `PackedDataLoader`" in warned[0], warned
 
 
 def _blocked_in_child(queue) -> None:
+    import os
     import signal
+    import time
 
     from lightning_vlmbalance.strategy import _WorkersIgnoreSigterm
 
     before = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     _WorkersIgnoreSigterm(None)(0)  # what a worker runs first
     after = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    queue.put((before, after))
+    os.kill(os.getpid(), signal.SIGTERM)  # not from the parent (a group signal): ignored
+    time.sleep(0.3)
+    queue.put((before, after, "alive"))
+    time.sleep(60)  # until the parent's SIGTERM ends it
 
 
 def test_workers_start_with_sigterm_blocked_until_they_ignore_it() -> None:
     """A signal to the process group as a pass starts its workers must not kill one between its
     fork and its worker_init_fn (torch's handler dies of a SIGTERM its parent did not send):
-    the strategy's worker context starts each worker with SIGTERM blocked, the wrapper ignores
-    it and unblocks it; the parent's own mask is left as it was."""
+    the strategy's worker context starts each worker with SIGTERM blocked, and the wrapper keeps
+    it blocked for a thread that ignores a SIGTERM from anyone but the parent; the parent's
+    SIGTERM (Python's exit handler ends daemonic workers so) ends the worker with status 0; the
+    parent's own mask is left as it was."""
     import multiprocessing
     import signal
 
@@ -345,8 +362,37 @@ def test_workers_start_with_sigterm_blocked_until_they_ignore_it() -> None:
         queue = context.SimpleQueue()
         child = context.Process(target=_blocked_in_child, args=(queue,))
         child.start()
-        assert queue.get() == (True, False), method
-        child.join(timeout=60)
-        assert child.exitcode == 0
+        assert queue.get() == (True, True, "alive"), method
+        child.terminate()
+        child.join(timeout=10)
+        assert child.exitcode == 0, method
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert _sigterm_blocked_start(None).get_start_method() == multiprocessing.get_start_method()
+
+
+def test_fabric_refuses_the_strategies_by_name() -> None:
+    """The strategies are Trainer-only: ``Fabric(strategy="vlmbalance")`` says so (it was
+    Fabric's generic "invalid strategy name")."""
+    for name in ("vlmbalance", "ddp_vlmbalance", "fsdp_vlmbalance"):
+        with pytest.raises(ValueError, match=r"work with the Lightning `Trainer` only"):
+            L.Fabric(strategy=name, accelerator="cpu", devices=1)
+
+
+def test_a_loader_built_before_the_trainer_is_attached_is_named() -> None:
+    """``PackedDataLoader(..., trainer=self.trainer)`` in a DataModule's ``__init__`` gets
+    ``None``; under ``"ddp"``-like accumulation the step's error told the user to do exactly
+    that: it now says the trainer was ``None`` where the loader was built."""
+    from tests.cpu_fit import cpu_trainer, packed_loader
+    from tests.packing.lightning_job import SMALL_VLM, RecordingVLM
+
+    class Data(L.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.loader = packed_loader(self.trainer)  # self.trainer is None here
+
+        def train_dataloader(self):
+            return self.loader
+
+    trainer = cpu_trainer([], 2, accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match=r"built with `trainer=None`.*`train_dataloader\(\)`"):
+        trainer.fit(RecordingVLM("/tmp", **SMALL_VLM, max_positions=128), datamodule=Data())
