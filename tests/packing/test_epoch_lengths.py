@@ -142,10 +142,15 @@ def test_the_tables_pack_differently_by_epoch(plan: str) -> None:
     assert len(set(counts)) > 1, counts
 
 
+# vlm_balance_reload and fsdp_balance_reload (five and three epochs, a new loader each) run with
+# the suite since the test job had to fit in 20 minutes: ddp_reload reloads in CI
+SUITE_FITS = {"vlm_balance_reload", "fsdp_balance_reload"}
+
+
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=pytest.mark.jobs(n))
+        pytest.param(n, marks=[pytest.mark.jobs(n)] + [pytest.mark.suite] * (n in SUITE_FITS))
         for n in (
             "one_plain",
             "ddp",
