@@ -720,14 +720,14 @@ def run_line(
     with_off: bool = True,
 ) -> str:
     """The line printed as run ``n`` of ``total`` ends (rank 0): its mode ``s["mode"]``, round
-    ``k``, whole-run tokens/s, seconds, median step after the warm-up, waiting, what moved, and
-    its gain over the same round's ``off`` (the pairing of ``compare``'s per-round gains).
+    ``k``, whole-run tokens/s and its gain over the same round's ``off`` (both as ``compare``
+    reckons its per-round figures), seconds, median step after the warm-up, waiting, what moved.
     ``same_round``: the round's runs so far by mode, this one included. In a backward round
     ``off`` runs last: the others' gains come on its line. ``with_off``: an ``off`` is run."""
     step = f"{1000 / s['steps_per_s_median']:,.0f} ms" if s["steps_per_s_median"] > 0 else "-"
     waiting = f"{s['waste_frac']:.1%}" if "waste_frac" in s else "-"
     line = (
-        f"run {n}/{total}: {s['mode']:<8} round {k}  {s['tokens_per_s']:>8,.0f} tokens/s"
+        f"run {n}/{total}: {s['mode']:<8} round {k}  {_rate(s):>8,.0f} tokens/s"
         f"  {s['seconds']:7.1f} s  median step {step:>8}  waiting {waiting:>5}"
         f"  moved {s['moved_packs']} packs, {s['moved_images']} images"
     )

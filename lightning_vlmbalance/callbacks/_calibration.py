@@ -56,7 +56,7 @@ class CalibrationDriver:
         self._result: Refit | None = None  # rank 0: finished, not shipped yet
         self._lock = threading.Lock()
         self.shipped: list[dict[str, Any]] = []  # every result adopted, as shipped (rank 0's)
-        self._told_reason: str | None = None
+        self._told_reasons: set[str] = set()
         if self.is_rank_zero:
             log.info(
                 "lightning_vlmbalance: online calibration gathers timings every %d optimizer"
@@ -114,13 +114,17 @@ class CalibrationDriver:
             metrics["calibration/accepted"] = float(result["accepted"])
             reason = result.get("reason")
             kind = re.sub(r"[\d.]+", "#", reason or "")  # the reason, its numbers aside
-            if not result["accepted"] and reason and kind != self._told_reason:
-                log.warning(
+            if not result["accepted"] and reason and kind not in self._told_reasons:
+                self._told_reasons.add(kind)  # said once per kind of reason
+                # a fit that failed is a problem; a model kept because it predicts as well
+                # (or too few records yet) is calibration doing its job
+                level = logging.WARNING if reason.startswith("fit failed") else logging.INFO
+                log.log(
+                    level,
                     "lightning_vlmbalance: the cost-model refit at step %d was not adopted: %s",
                     global_step,
                     reason,
                 )
-                self._told_reason = kind  # said once per kind of reason
             for key in ("error_current", "error_candidate"):
                 if result.get(key) is not None:
                     metrics[f"calibration/{key}"] = float(result[key])

@@ -385,13 +385,13 @@ def test_the_main_job_prints_one_line_per_run_and_no_banners(main_job) -> None:
     modes = summary["modes"]
     order = schedule(list(modes), summary["rounds"])
     pattern = re.compile(r"^run (\d+)/(\d+): (\S+) +round (\d+) +([\d,]+) tokens/s  .*$", re.M)
-    lines = [m for m in pattern.finditer(stdout)]
+    lines = list(pattern.finditer(stdout))
     assert [(m[3], int(m[4])) for m in lines] == [(mode, k) for k, mode in order]
     assert [(int(m[1]), int(m[2])) for m in lines] == [(n, 8) for n in range(1, 9)]
     for m in lines:
         mode, k = m[3], int(m[4])
         run = modes[mode]["by_round"][k]
-        assert abs(int(m[5].replace(",", "")) - run["tokens_per_s"]) <= 1
+        assert abs(int(m[5].replace(",", "")) - run["tokens_per_s"]) <= 0.6  # the same figure
         text = m[0]
         if mode != "off" and k == 0:  # off ran first in this round: the gain is there
             assert text.endswith(f"| {_pct(run['gain_vs_off'])} vs round 0's off"), text
@@ -407,9 +407,10 @@ def test_the_main_job_prints_one_line_per_run_and_no_banners(main_job) -> None:
     for banner in BANNERS:
         assert banner not in stdout and banner not in stderr, banner
     assert "Epoch 0" not in stdout and "it/s" not in stdout  # no progress bar
+    # stderr keeps the package's own warnings (a refit not adopted), none of other libraries'
     assert "is deprecated" not in stderr, stderr
     assert not re.search(r"site-packages/\S+\.py:\d+: ", stderr), stderr
-    assert len(stdout.splitlines()) + len(stderr.splitlines()) < 60, stdout + stderr
+    assert len(stdout.splitlines()) < 40, stdout  # 8 run lines, the table, the headline, ...
     # the headline: the whole-run gain with each round's, their median and the verdict
     best = modes[summary["best_mode"]]
     assert summary["gain_by_round"] == best["gain_by_round"] and len(best["gain_by_round"]) == 2

@@ -480,7 +480,7 @@ def test_text_only_pack_reaches_the_vision_tower(family):
         assert all(p.grad is not None for p in _vision_tower(model).parameters())
     # prepare_model is idempotent: a second call adds no second hook
     assert vbhf.prepare_model(model) is vbhf.prepare_model(model)
-    assert len(model._forward_pre_hooks) == 1
+    assert len(model.model._forward_pre_hooks) == 1  # on the multimodal model
 
 
 # -- 8. the model's own loss is the loss contract's ------------------------------------------------
