@@ -260,13 +260,6 @@ class RunSummary(L.Callback):
             for ids in plan.rank_pack_ids
         )
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        plan = trainer.datamodule.loader.sampler.plan()
-        if trainer.logger is not None and trainer.is_global_zero:
-            trainer.logger.log_metrics(
-                {"packing/efficiency": plan.efficiency}, step=trainer.global_step
-            )
-
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         elapsed = time.perf_counter() - self.start
         sampler = trainer.datamodule.loader.sampler
