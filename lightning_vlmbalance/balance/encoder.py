@@ -101,6 +101,11 @@ class ImageRoute:
     # values)}``: preprocessing that changes them before the encoder is refused
     # (:func:`check_unchanged`)
     probe: dict[str, tuple[list[int], list[float]]] | None = None
+    # whether any image of this micro-step is encoded on another rank than its pack's, on any
+    # rank of the group (the plan knows): if none is, the return is skipped on every rank, and
+    # the step is DDP's exactly (no collective, no zero term, so a parameter no rank used keeps
+    # a None gradient, which a stateful optimizer skips)
+    moved_any: bool = True
 
     def __post_init__(self) -> None:
         if self.kept_index is None:
@@ -240,9 +245,8 @@ def _one_tensor(encoder: Any, out: Any) -> torch.Tensor:
     return out
 
 
-# preprocessing is code, the same at every step: the first calls of a process are checked
-# (each check reads a few values back from the device)
-_CHECKS_LEFT = [16]
+# the check of the last call on an accelerator, read at the next call (no wait for the device)
+_PENDING_CHECK: list[tuple[torch.Tensor, str, torch.Tensor, list[int], list[float]]] = []
 
 
 def probe_fields(fields: dict[str, tuple[torch.Tensor, Any]], count: int = 32) -> dict:
@@ -260,32 +264,47 @@ def probe_fields(fields: dict[str, tuple[torch.Tensor, Any]], count: int = 32) -
 
 
 def check_unchanged(route: ImageRoute, name: str, tensor: torch.Tensor) -> None:
-    """Refuses a pack's image field that changed between the loader and the encoder (beyond a
-    cast's rounding) under encoder balancing: the images received from other ranks are encoded
-    as the loader made them, so preprocessing applied to the batch would reach this rank's own
-    images only (the parameters then differ from DDP's)."""
+    """Refuses a pack's image field that changed between the loader and the encoder under
+    encoder balancing: the images received from other ranks are encoded as the loader made
+    them, so preprocessing applied to the batch would reach this rank's own images only (the
+    parameters then differ from DDP's). A cast (the precision plugin's ``bf16-true``, a
+    ``.double()``) is not a change: the loader's values are cast the same way and compared
+    exactly. Every call is checked; on an accelerator the comparison is read at the next call,
+    so the step never waits for the device (the error then comes one micro-batch later)."""
+    _raise_pending()
     probe = (route.probe or {}).get(name)
-    if probe is None or _CHECKS_LEFT[0] <= 0:
+    if probe is None:
         return
-    _CHECKS_LEFT[0] -= 1
     positions, loaded = probe
     flat = tensor.detach().reshape(-1)
     if flat.numel() <= positions[-1]:
-        now = None
+        _refuse(name, f"has {flat.numel()} values, the loader made {positions[-1] + 1} or more")
+    index = torch.tensor(positions, dtype=torch.int64).to(flat.device, non_blocking=True)
+    now = flat.index_select(0, index)
+    expected = torch.tensor(loaded, dtype=torch.float64).to(now.dtype).to(now.device)
+    differs = (now != expected).any()
+    if now.device.type == "cpu":
+        if bool(differs):
+            _refuse(name, _first_difference(now, expected, positions))
     else:
-        index = torch.tensor(positions, dtype=torch.int64, device=flat.device)
-        now = flat.index_select(0, index).double().cpu().numpy()
-    ref = np.asarray(loaded)
-    scale = float(np.abs(ref).max(initial=0.0))
-    if now is not None and np.all(np.abs(now - ref) <= 1e-2 * np.abs(ref) + 1e-6 * scale):
-        return
-    what = (
-        f"has {flat.numel()} values, the loader made {positions[-1] + 1} or more"
-        if now is None
-        else f"value {positions[int(np.argmax(np.abs(now - ref)))]} is"
-        f" {now[int(np.argmax(np.abs(now - ref)))]:.6g}, the loader made"
-        f" {ref[int(np.argmax(np.abs(now - ref)))]:.6g}"
-    )
+        _PENDING_CHECK.append((differs, name, now, positions, loaded))
+
+
+def _raise_pending() -> None:
+    while _PENDING_CHECK:
+        differs, name, now, positions, loaded = _PENDING_CHECK.pop(0)
+        if bool(differs):
+            _PENDING_CHECK.clear()
+            expected = torch.tensor(loaded, dtype=torch.float64).to(now.dtype)
+            _refuse(name, _first_difference(now.cpu(), expected, positions))
+
+
+def _first_difference(now: torch.Tensor, expected: torch.Tensor, positions: list[int]) -> str:
+    i = int(torch.nonzero(now != expected)[0])
+    return f"value {positions[i]} is {float(now[i]):.6g}, the loader made {float(expected[i]):.6g}"
+
+
+def _refuse(name: str, what: str) -> None:
     raise ValueError(
         f"encoder balancing: the pack's image field {name!r} changed between the loader and"
         f" the encoder ({what}). Preprocessing applied to the batch (in"
@@ -355,6 +374,8 @@ def return_home(route: ImageRoute, out: torch.Tensor) -> torch.Tensor:
     its backward sends the gradients the other way). Every rank of the route's group must call
     it, with or without images; under autograd the strategy makes every rank run its backward
     too (:func:`returns_zero`). Eager under torch.compile."""
+    if not route.moved_any:  # every image of the micro-step is encoded at home, on every rank
+        return out
     sizes = np.asarray(route.own_sizes, dtype=np.int64)
     send_back = [sum(per_rank) for per_rank in route.recv_sizes]  # to each image's owner
     expect = [int(sizes[per_rank].sum()) for per_rank in route.send]  # from each encoder
@@ -409,6 +430,7 @@ def route_for(
     own_sizes: Sequence[int],
     own_encoder: Sequence[int],
     foreign: Sequence[tuple[int, int]],
+    moved_any: bool = True,
 ) -> ImageRoute:
     """This rank's :class:`ImageRoute` for one micro-step, from the plan.
 
@@ -417,6 +439,8 @@ def route_for(
         own_encoder: the rank that encodes each of them.
         foreign: ``(owner rank, rows)`` of every image this rank encodes for another, in the
             order they are received (by owner rank, then the owner's image order).
+        moved_any: whether any rank of the group encodes an image of another's pack in this
+            micro-step (``False``: the return is skipped on every rank).
     """
     send: list[list[int]] = [[] for _ in range(world)]
     keep: list[int] = []
@@ -433,4 +457,5 @@ def route_for(
         keep=keep,
         send=send,
         recv_sizes=recv,
+        moved_any=moved_any,
     )

@@ -598,6 +598,7 @@ class RebalancingLoader:
                     for h, n, e in zip(home, rows, plan.encoder)
                     if e == r and h != r
                 ],
+                moved_any=bool((plan.encoder != home).any()),
             )
             # what the encoder must still see: preprocessing of the batch is refused there
             batch["encoder_route"].probe = probe_fields(fields)

@@ -315,7 +315,9 @@ def _args(strategy: str, accumulate: int, *extra: str, devices: int = 2) -> tupl
     )
 
 
-UNUSED = ("--images-only-when-tokens", "--find-unused", "--text-share", "0.6")
+# steps where no rank has an image (accumulation 1, mostly text): the vision gradients must stay
+# None there, as under DDP, or AdamW moves the encoder (0.53 relative once)
+UNUSED = ("--images-only-when-tokens", "--find-unused", "--text-share", "0.9", "--max-steps", "10")
 FITS = {  # the longest first (4 ranks: with `pytest -m suite`)
     "ddp4_ga3": _args("ddp", 3, devices=4),
     "overlap4_ga3": _args("vlmbalance", 3, "--encoder", devices=4),
@@ -337,8 +339,8 @@ FITS = {  # the longest first (4 ranks: with `pytest -m suite`)
     "overlap_ga3_preprocess": _args("vlmbalance", 3, "--encoder", "--preprocess", "encoder"),
     "overlap_ga3_batch_preprocess": _args("vlmbalance", 3, "--encoder", "--preprocess", "batch"),
     # a model that uses the embeddings only in packs with image tokens (many text-only packs)
-    "ddp_ga3_unused": _args("ddp", 3, *UNUSED),
-    "overlap_ga3_unused": _args("vlmbalance", 3, "--encoder", *UNUSED),
+    "ddp_ga1_unused": _args("ddp", 1, *UNUSED),
+    "overlap_ga1_unused": _args("vlmbalance", 1, "--encoder", *UNUSED),
     # trainer.fit(torch.compile(model)): the encoder compiled, the route's bookkeeping eager
     "overlap_ga3_compiled": _args("vlmbalance", 3, "--encoder", "--compile"),
 }
@@ -350,7 +352,7 @@ LAUNCHES = [
     ("fsdp_ga3", "fsdp_encoder_ga3"),
     ("ddp_ga3", "off_ga3", "overlap_ga3"),
     ("ddp_ga1", "overlap_ga1", "overlap_ga3_compiled"),
-    ("ddp_ga3_unused", "overlap_ga3_unused", "ddp_ga3_preprocess", "overlap_ga3_preprocess"),
+    ("ddp_ga1_unused", "overlap_ga1_unused", "ddp_ga3_preprocess", "overlap_ga3_preprocess"),
     ("overlap_ga3_batch_preprocess",),  # fails: alone
 ]
 PAIRS = [  # (with encoder balancing, its baseline)
@@ -361,7 +363,7 @@ PAIRS = [  # (with encoder balancing, its baseline)
     ("source_encoder_ga3", "source_ga3"),
     ("fsdp_encoder_ga3", "fsdp_ga3"),
     ("overlap_ga3_preprocess", "ddp_ga3_preprocess"),
-    ("overlap_ga3_unused", "ddp_ga3_unused"),
+    ("overlap_ga1_unused", "ddp_ga1_unused"),
     ("overlap_ga3_compiled", "ddp_ga3"),
 ]
 
@@ -421,3 +423,22 @@ def test_micro_steps_are_reordered_within_ranks_to_even_vision_work() -> None:
     after = np.take_along_axis(vision, order, axis=1).sum(axis=0)
     assert after.sum() == before.sum() and np.ptp(after) < 0.5 * np.ptp(before)
     assert (order_micro_steps(vision[:, :1]) == 0).all()  # one micro-step: nothing to order
+
+
+def test_any_change_to_the_loaders_pixels_is_refused_at_any_call_and_a_cast_is_not() -> None:
+    """The check compares the loader's values, cast as the batch was cast, exactly, at every
+    call: a 0.9% scaling passed the old 1% tolerance, and preprocessing that started after the
+    first 16 calls (augmentation after a warm-up) passed unchecked."""
+    from lightning_vlmbalance.balance.encoder import check_unchanged, probe_fields
+
+    pixels = _pack([4, 2, 3], seed=0)["pixel_values"].float()
+    route = route_for(
+        group="test", rank=0, world=1, own_sizes=[4, 2, 3], own_encoder=[0, 0, 0], foreign=[]
+    )
+    route.probe = probe_fields({"pixel_values": (pixels, None)})
+    for _ in range(40):  # unchanged, or cast (bf16-true, .double(), fp16): accepted
+        for cast in (pixels, pixels.double(), pixels.bfloat16(), pixels.half()):
+            check_unchanged(route, "pixel_values", cast)
+    for changed in (pixels * 1.009, pixels.bfloat16().float(), (pixels - 0.1) * 2.0):
+        with pytest.raises(ValueError, match="'pixel_values' changed between the loader"):
+            check_unchanged(route, "pixel_values", changed)

@@ -277,8 +277,11 @@ def test_online_calibration_adopts_one_model_on_every_rank_and_re_plans_the_sour
     for r in (0, 1):
         resumed = json.loads((tmp_path / f"calibration_resumed_rank{r}.json").read_text())
         assert resumed["start_model"] == calibration["model"]
+    # the checkpoint's epoch holds its re-plans; a refit whose re-plan would lengthen the epoch
+    # waits for the next epoch, so whether one landed before step 10 depends on the timings
+    # (a resume of a re-planned epoch: test_source's re-plan-and-resume test)
     saved = [b for b, _ in _find(state, "cost_schedule")]
-    assert len(saved) > 1  # the checkpoint holds a re-planned epoch
+    assert saved and saved[0] == 0
     for r in (0, 1):
         resumed = json.loads((tmp_path / f"calibration_resumed_rank{r}.json").read_text())
         later = [b for b in first[r]["switches"] + resumed["switches"] if b not in saved]
