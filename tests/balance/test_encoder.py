@@ -382,6 +382,8 @@ def _pair(run: str, baseline: str) -> Any:
     marks = [pytest.mark.jobs(run, baseline)]
     if "4_" in run:  # 4 processes on 2 cores: the longest fits, among the full suites
         marks.append(pytest.mark.suite)
+    if run == "overlap_ga3_preprocess":  # the CI's 20 minutes: the refusal runs in CI
+        marks.append(pytest.mark.suite)
     return pytest.param(run, baseline, marks=marks, id=run)
 
 
