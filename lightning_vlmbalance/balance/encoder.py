@@ -323,12 +323,13 @@ def warn_batch_norm(encoder: Any) -> None:
     """Warns (once per encoder) when ``encoder`` has a BatchNorm layer in training mode: its
     statistics mix the images of one call, and encoder balancing changes which images share a
     call, so the result is not the one of encoding at home."""
-    if id(encoder) in _WARNED_BATCH_NORM or not isinstance(encoder, torch.nn.Module):
+    if id(encoder) in _WARNED_BATCH_NORM:
         return
     _WARNED_BATCH_NORM.add(id(encoder))
     norms = [
-        name or type(encoder).__name__
-        for name, m in encoder.named_modules()
+        name or type(module).__name__
+        for module in _modules_of(encoder)
+        for name, m in module.named_modules()
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
     ]
     if norms:
@@ -341,6 +342,18 @@ def warn_batch_norm(encoder: Any) -> None:
             " `eval()` BatchNorm, GroupNorm or LayerNorm, or turn `encoder` off",
             stacklevel=3,
         )
+
+
+def _modules_of(encoder: Any) -> list[torch.nn.Module]:
+    """The modules an encoder callable runs: itself, a bound method's owner, or the modules a
+    function closes over (``lambda *a: vision(*a)[0]``, as the tuple error suggests)."""
+    if isinstance(encoder, torch.nn.Module):
+        return [encoder]
+    owner = getattr(encoder, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return [owner]
+    cells = getattr(encoder, "__closure__", None) or ()
+    return [c.cell_contents for c in cells if isinstance(c.cell_contents, torch.nn.Module)]
 
 
 # returns whose backward (an ``all_to_all`` every rank of the group enters) must run even if the

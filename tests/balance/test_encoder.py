@@ -257,6 +257,16 @@ def test_an_encoder_with_batch_statistics_is_warned_about() -> None:
     assert all(not r["warnings"] for _, r in plain.values()), plain
 
 
+def test_batch_statistics_inside_a_function_are_warned_about_too() -> None:
+    """The encoder given as a function over the module (what the tuple error suggests): the
+    module it closes over is looked into (the warning was lost)."""
+    from lightning_vlmbalance.balance.encoder import warn_batch_norm
+
+    vision = _BatchNormed()
+    with pytest.warns(UserWarning, match=r"BatchNorm in training mode \(norm\)"):
+        warn_batch_norm(lambda *a: vision(*a))
+
+
 def test_an_encoder_returning_a_tuple_is_named() -> None:
     """``encode_images`` needs one tensor: a tuple (a Hugging Face-style output) is a
     ``TypeError`` naming the encoder, with balancing off too (it was an AttributeError)."""
