@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lightning_vlmbalance.parallel import data_parallel_world
+from lightning_vlmbalance.parallel import step_spec
 
 __all__ = [
     "PackedLoss",
@@ -151,7 +151,7 @@ def packed_cross_entropy(
         logits: ``(T, V)`` or ``(1, T, V)`` logits of the pack.
         batch: the ``PackedBatch`` (``labels``, ``loss_tokens``, ``loss_weight``, ...).
         module: the ``LightningModule`` computing the loss: while it trains, the batch's weight
-            is checked against its Trainer's ranks and ``accumulate_grad_batches`` (a loader that
+            is checked against its Trainer's ranks and micro-steps per step (a loader that
             did not know the optimizer steps would give a wrong gradient silently).
 
     Raises:
@@ -190,10 +190,8 @@ def check_weighted_for(batch: dict[str, Any], module: Any) -> None:
         return
     if trainer is None or not getattr(trainer, "training", False):
         return
-    expected = (
-        data_parallel_world(trainer.strategy).gradient_ranks,
-        int(trainer.accumulate_grad_batches),
-    )
+    step = step_spec(trainer)
+    expected = (step.world.gradient_ranks, step.micro_steps)
     got = tuple(batch.get("meta", {}).get("weighted_for", (1, 1)))
     if got != expected:
         was_none = ""

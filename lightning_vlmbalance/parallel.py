@@ -1,5 +1,7 @@
-"""Which data-parallel world a rank is in, and how often its ranks meet: the one owner of both
-answers. The sampler, the loaders, the loss contract and the rebalancer ask here.
+"""The step: which data-parallel world a rank is in, how many micro-steps make one optimizer
+step, how often the ranks meet, and so what a balanced plan optimises. :class:`StepSpec` is the
+one owner of these answers; the sampler, the loaders, the loss contract, preemption and the
+rebalancer ask :func:`step_spec` (nothing else reads the Trainer's ``accumulate_grad_batches``).
 
 A Lightning strategy is read only through its public attributes (``distributed_sampler_kwargs``,
 ``world_size``, ``global_rank``, and ``gradient_average_ranks`` / ``sync_every_micro_batch``
@@ -13,11 +15,19 @@ one tensor-parallel group compute the same packs (``copies`` of each data-parall
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 
-__all__ = ["DataParallelWorld", "data_parallel_world", "meets_every_micro_batch"]
+__all__ = [
+    "DataParallelWorld",
+    "StepOwner",
+    "StepSpec",
+    "data_parallel_world",
+    "meets_every_micro_batch",
+    "resolve_objective",
+    "step_spec",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +106,66 @@ def meets_every_micro_batch(strategy: Any) -> bool:
     if said is not None:
         return bool(said)
     return int(getattr(strategy, "world_size", 1)) > 1
+
+
+def resolve_objective(objective: str, *, sync_every_micro_batch: bool) -> str:
+    """The one place ``objective="auto"`` is decided: ``"microstep"`` if the ranks synchronise
+    at every micro-batch (FSDP, or Lightning's per-micro-batch flag broadcast; see
+    :func:`meets_every_micro_batch`), else ``"step"``. Any other objective is returned as it
+    is."""
+    if objective != "auto":
+        return objective
+    return "microstep" if sync_every_micro_batch else "step"
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpec:
+    """One optimizer step of a fit (a *global batch*: ``micro_steps`` packs on each of the
+    ``world.size`` data-parallel ranks).
+
+    Attributes:
+        world: the data-parallel world (:class:`DataParallelWorld`).
+        micro_steps: micro-batches per rank per optimizer step (Lightning's
+            ``accumulate_grad_batches``).
+        meets_every_micro_batch: whether the ranks synchronise at every micro-batch.
+        objective: what a balanced plan minimises, decided: ``"step"`` (per-rank totals over the
+            step), ``"microstep"`` (the slowest rank of every micro-step) or ``"both"``.
+    """
+
+    world: DataParallelWorld
+    micro_steps: int
+    meets_every_micro_batch: bool
+    objective: str
+
+    @classmethod
+    def of(cls, trainer: Any, *, objective: str = "auto") -> StepSpec:
+        """The step of ``trainer`` as it is now, ``objective="auto"`` decided by how often its
+        strategy's ranks meet. The one reader of ``accumulate_grad_batches``: a strategy that
+        fixes the step for a fit (:class:`StepOwner`) builds its spec here once; under any
+        other strategy :func:`step_spec` builds it at every ask (a
+        ``GradientAccumulationScheduler`` changes it between epochs)."""
+        strategy = trainer.strategy
+        meets = meets_every_micro_batch(strategy)
+        return cls(
+            world=data_parallel_world(strategy),
+            micro_steps=int(trainer.accumulate_grad_batches),
+            meets_every_micro_batch=meets,
+            objective=resolve_objective(objective, sync_every_micro_batch=meets),
+        )
+
+
+@runtime_checkable
+class StepOwner(Protocol):
+    """A strategy that decides the step of its fit (the rebalancing strategies: their configured
+    objective, fixed at set-up)."""
+
+    def step_spec(self, trainer: Any) -> StepSpec: ...
+
+
+def step_spec(trainer: Any) -> StepSpec:
+    """The step ``trainer`` trains: as its strategy decides it (:class:`StepOwner`), else what
+    the Trainer says now (:meth:`StepSpec.of`)."""
+    strategy = trainer.strategy
+    if isinstance(strategy, StepOwner):
+        return strategy.step_spec(trainer)
+    return StepSpec.of(trainer)

@@ -4,7 +4,8 @@
 
 * the training loader is wrapped in a
   :class:`~lightning_vlmbalance.balance.loader.RebalancingLoader`
-  (``micro_steps = accumulate_grad_batches``) that plans each global batch with the planner core
+  (one global batch per optimizer step: :class:`~lightning_vlmbalance.parallel.StepSpec`)
+  that plans each global batch with the planner core
   and exchanges the moving packs on a dedicated gloo process group, one global batch ahead in a
   background thread (``mode="overlap"``), or in line (``"sync"``), or not at all (``"off"``:
   only the loss weights are set, the same math as the other modes); every pack carries
@@ -41,12 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
-import multiprocessing.context as mpc
 import os
-import signal
-import sys
-import threading
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -63,8 +59,6 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_vlmbalance import _lightning as seam
@@ -75,7 +69,8 @@ from lightning_vlmbalance.balance.encoder import begin_micro_batch, returns_zero
 from lightning_vlmbalance.balance.loader import RebalancingLoader
 from lightning_vlmbalance.packing.sampler import PackedDataLoader
 from lightning_vlmbalance.packing.streaming import PackedStreamLoader
-from lightning_vlmbalance.parallel import data_parallel_world
+from lightning_vlmbalance.parallel import StepSpec, data_parallel_world, step_spec
+from lightning_vlmbalance.preemption import SigtermAgreement, WorkersIgnoreSigterm
 
 __all__ = ["FSDPVLMBalanceStrategy", "Rebalancer", "VLMBalanceStrategy"]
 
@@ -133,8 +128,8 @@ class Rebalancer:
         self._group_ranks: list[int] | None = None  # global ranks of the exchange group
         self._encoder_group: dist.ProcessGroup | None = None  # the embeddings' return
         self.source_balanced = False  # the training loader's sampler balances at the source
-        self._trainer: Any = None
-        self._sigterm_pending = False
+        self.step: StepSpec | None = None  # built at setup, for the fit (or evaluation)
+        self.preemption = SigtermAgreement(lambda: self.strategy.root_device, self._stop_pass)
         self._logged_batches = 0
         self._wrapped_for: tuple[int, int] | None = None  # (trainer, epoch) of the last wrap
         self._told_unpacked = False  # a training loader that is not one of the packed ones
@@ -195,8 +190,14 @@ class Rebalancer:
 
     def setup(self, trainer: Any) -> None:
         self._wrapped_for = None
+        self.step = StepSpec.of(trainer, objective=self.config.objective)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._own_sigterm(trainer)
+            self.preemption.install(trainer, self.step)
+
+    def _stop_pass(self) -> None:
+        """At a SIGTERM's agreed stop: the pass in progress ends on every rank."""
+        if self.loader is not None:
+            self.loader.close()
 
     def wrap_loader(self, dataloader: object) -> object:
         """The training loader wrapped in a RebalancingLoader (other stages: unchanged)."""
@@ -221,12 +222,13 @@ class Rebalancer:
                 " of packed batches (e.g. one PackedDataLoader over the concatenated datasets)"
             )
         self._wrapped_for = wrapped_for
+        step = step_spec(trainer)
         if isinstance(dataloader, RebalancingLoader):  # wrapped by the user: use its inner one
-            if dataloader.micro_steps != trainer.accumulate_grad_batches:
+            if dataloader.micro_steps != step.micro_steps:
                 raise ValueError(
                     f"the training loader is a RebalancingLoader(micro_steps="
-                    f"{dataloader.micro_steps}) but `Trainer(accumulate_grad_batches="
-                    f"{trainer.accumulate_grad_batches})`: a global batch must be one optimizer"
+                    f"{dataloader.micro_steps}) but the Trainer's optimizer step has"
+                    f" {step.micro_steps} micro-batches: a global batch must be one optimizer"
                     " step; make them equal (or return the plain loader)"
                 )
             dataloader = dataloader.loader
@@ -259,12 +261,11 @@ class Rebalancer:
             self.loader.close()
         self._logged_batches = 0
         self._wrapped_at_step = trainer.global_step
-        parallel = data_parallel_world(self.strategy)
         self.loader = RebalancingLoader(
             dataloader,  # type: ignore[arg-type]
-            micro_steps=trainer.accumulate_grad_batches,
-            world_size=parallel.size,
-            rank=parallel.rank,
+            micro_steps=step.micro_steps,
+            world_size=step.world.size,
+            rank=step.world.rank,
             group=self._exchange_group,
             group_ranks=self._group_ranks,
             cost_model=self.cost_model,
@@ -359,60 +360,8 @@ class Rebalancer:
                     f"balance/{key}", float(stats.get(key, 0.0)), rank_zero_only=True, batch_size=1
                 )
 
-    # -- preemption (SIGTERM) -----------------------------------------------------------------
-    # Lightning's own SIGTERM handler runs a broadcast on the world group inside the signal
-    # handler, wherever the main thread was interrupted, and raises on each rank as soon as that
-    # rank saw the signal: collectives are left unpaired and ranks hang. Here the handler only
-    # sets a flag; the ranks agree on it with one all-reduce at the point where Lightning would
-    # broadcast its flag (the first micro-batch of each optimizer step, or every micro-batch when
-    # the ranks meet there anyway), and all raise Lightning's SIGTERMException there together,
-    # after the exchange pass has been stopped and joined. Every rank then exits with status 143
-    # (see teardown), and DataLoader workers ignore SIGTERM (_WorkersIgnoreSigterm): a signal to
-    # the whole process group reaches them too, and the main process decides.
-
-    def _own_sigterm(self, trainer: Any) -> None:
-        seam.own_sigterm_handler(trainer, self._on_sigterm)
-        self._trainer = trainer
-        self._sigterm_pending = False
-        accumulate = trainer.accumulate_grad_batches
-        every_micro_batch = self.sync_every_micro_batch
-
-        def agree_on_sigterm() -> None:
-            if not every_micro_batch and seam.micro_batch_index(trainer) % accumulate:
-                return  # only at the first micro-batch of an optimizer step
-            flag = torch.tensor([int(self._sigterm_pending)], device=self.strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank, same point: paired
-            if int(flag.item()):
-                seam.set_received_sigterm(trainer)
-                if self.loader is not None:
-                    self.loader.close()  # the pass in progress ends on every rank
-                # every rank exits 143 now: rank 0's launcher must not SIGKILL it when one does
-                seam.stop_watching_launched_ranks()
-                raise SIGTERMException()
-
-        seam.loop_seam(trainer).replace_sync_point(self, agree_on_sigterm)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """The SIGTERM handler: no collective and no exception here, only a flag."""
-        parallel = data_parallel_world(self.strategy)
-        log.info("rank %d received SIGTERM (%s)", parallel.global_rank, signum)
-        if parallel.world_size <= 1:  # alone: Lightning's own flag (it raises after the batch)
-            seam.set_received_sigterm(self._trainer)
-        else:  # agreed on by every rank at the next synchronisation point
-            self._sigterm_pending = True
-
     def teardown(self) -> None:
-        trainer, self._trainer = self._trainer, None
-        if trainer is not None:
-            seam.release_sigterm_handler(trainer)
-            seam.leave_loop_seam(trainer, self)
-            # Lightning tears the strategy down inside its `except`, then re-raises: a
-            # SIGTERMException (ours at the agreed stop, or Lightning's own in one process) is a
-            # bare SystemExit, status 0, which torchrun, a Kubernetes Job or a SLURM requeue
-            # script reads as "finished"; 143 (128 + SIGTERM) reads as "terminated"
-            stopping = sys.exc_info()[1]
-            if isinstance(stopping, SIGTERMException) and not stopping.code:
-                stopping.code = 128 + signal.SIGTERM
+        self.preemption.release()
         if self.loader is not None:
             # Lightning tears the strategy down before the loop closes the loader's iterator:
             # stop the pass (and its collectives) before the exchange group goes away
@@ -426,126 +375,6 @@ class Rebalancer:
                     log.debug("could not destroy an exchange group: %s", err)
         self._exchange_group = self._payload_group = self._encoder_group = None
         self._group_ranks = None
-
-
-class _WorkersIgnoreSigterm:
-    """A DataLoader ``worker_init_fn``: the worker ignores a SIGTERM that its parent did not send,
-    then the loader's own ``worker_init_fn`` runs (the user's, Lightning's seeding).
-
-    SLURM at the time limit and ``kill`` of a process group signal every process, DataLoader
-    workers included; torch's worker handler dies of a SIGTERM that its parent did not send, and
-    the main process then raises "DataLoader worker ... killed" wherever it is, not the agreed
-    stop. Ignoring it leaves the decision to the main process, which ends its workers as at the
-    end of any pass (torch's watchdog ends them if the main process is gone).
-
-    A SIGTERM from the parent still ends the worker, as torch's handler does (exit status 0):
-    Python's exit handler stops daemonic processes that way (``multiprocessing`` terminates and
-    joins them at interpreter exit, where torch no longer shuts its workers down itself), so a
-    worker that ignored every SIGTERM kept its rank waiting forever after ``fit`` (persistent
-    workers, or an iterator a traceback still held). The sender is known only to
-    ``sigwaitinfo``: SIGTERM stays blocked in the worker and a thread waits for it.
-    """
-
-    def __init__(self, init_fn: Any) -> None:
-        self.init_fn = init_fn
-
-    def __call__(self, worker_id: int) -> None:
-        # blocked in every thread (a worker started by _sigterm_blocked_start has it blocked
-        # already; the threads started from here inherit the mask): only the waiting thread
-        # takes it, with its sender. One sent since the fork is still pending and taken now.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        threading.Thread(
-            target=_take_sigterm,
-            args=(os.getppid(),),
-            name="vlmbalance-worker-sigterm",
-            daemon=True,
-        ).start()
-        if self.init_fn is not None:
-            self.init_fn(worker_id)
-
-    @classmethod
-    def install(cls, dataloader: Any, rank: int) -> None:
-        """Wraps the ``worker_init_fn`` of the loader whose workers run (a torch ``DataLoader``
-        or a ``PackedDataLoader``, alone or inside the strategy's ``RebalancingLoader``), once,
-        Lightning's seeding added first; any other iterable has no workers to reach."""
-        inner = dataloader.loader if isinstance(dataloader, RebalancingLoader) else dataloader
-        if not isinstance(inner, DataLoader | PackedDataLoader | PackedStreamLoader):
-            return
-        if isinstance(inner.worker_init_fn, cls):
-            return
-        seam.add_lightning_worker_init_fn(inner, rank)
-        inner.worker_init_fn = cls(inner.worker_init_fn)
-        # a worker lives from its fork to its worker_init_fn with torch's SIGTERM handler, which
-        # dies of a signal its parent did not send: at every pass's start (new workers) a signal
-        # to the process group would kill one. Workers start with SIGTERM blocked instead.
-        if inner.num_workers > 0:
-            inner.multiprocessing_context = _sigterm_blocked_start(inner.multiprocessing_context)
-
-
-def _take_sigterm(parent: int) -> None:
-    """A DataLoader worker's SIGTERM, taken by a thread: from the parent, the worker ends (exit
-    status 0, as torch's own handler does); from anyone else (a signal to the process group),
-    nothing happens."""
-    while True:
-        info = signal.sigwaitinfo({signal.SIGTERM})
-        if info.si_pid == parent:
-            os._exit(0)
-
-
-class _BlockSigtermAtStart:
-    """A ``multiprocessing`` process whose ``start`` blocks SIGTERM in the calling thread for the
-    fork: the child inherits the mask (a SIGTERM to the parent meanwhile is delivered right
-    after)."""
-
-    def start(self) -> None:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        try:
-            super().start()  # type: ignore[misc]
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-class _ForkProcess(_BlockSigtermAtStart, mpc.ForkProcess):
-    pass
-
-
-class _SpawnProcess(_BlockSigtermAtStart, mpc.SpawnProcess):
-    pass
-
-
-class _ForkServerProcess(_BlockSigtermAtStart, mpc.ForkServerProcess):
-    pass
-
-
-class _ForkContext(mpc.ForkContext):
-    Process = _ForkProcess
-    _sigterm_blocked = True
-
-
-class _SpawnContext(mpc.SpawnContext):
-    Process = _SpawnProcess
-    _sigterm_blocked = True
-
-
-class _ForkServerContext(mpc.ForkServerContext):
-    Process = _ForkServerProcess
-    _sigterm_blocked = True
-
-
-_BLOCKED = {"fork": _ForkContext, "spawn": _SpawnContext, "forkserver": _ForkServerContext}
-
-
-def _sigterm_blocked_start(context: Any) -> Any:
-    """``context`` (a multiprocessing context, its name, or ``None`` for the default) whose
-    processes start with SIGTERM blocked. ``_WorkersIgnoreSigterm`` unblocks it in the worker
-    once it ignores the signal. A context of another kind is returned as it is."""
-    if getattr(context, "_sigterm_blocked", False):
-        return context
-    method = context if isinstance(context, str) or context is None else None
-    if method is None:
-        method = getattr(context, "_name", None)
-    blocked = _BLOCKED.get(method or multiprocessing.get_start_method())
-    return context if blocked is None else blocked()
 
 
 def _config_from(
@@ -575,7 +404,7 @@ class _RebalancingProperties:
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = self.rebalancer.wrap_loader(super().process_dataloader(dataloader))  # type: ignore[misc]
-        _WorkersIgnoreSigterm.install(dataloader, data_parallel_world(self).global_rank)
+        WorkersIgnoreSigterm.install(dataloader, data_parallel_world(self).global_rank)
         return dataloader
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -614,6 +443,12 @@ class _RebalancingProperties:
     @property
     def resolved_objective(self) -> str:
         return self.config.objective
+
+    def step_spec(self, trainer: Any) -> StepSpec:
+        """The step of ``trainer``'s fit (:class:`~lightning_vlmbalance.parallel.StepSpec`) with
+        this strategy's objective, fixed at set-up (the rebalancing strategies refuse a
+        ``GradientAccumulationScheduler``)."""
+        return self.rebalancer.step or StepSpec.of(trainer, objective=self.config.objective)
 
     @property
     def sync_every_micro_batch(self) -> bool:

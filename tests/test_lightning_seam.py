@@ -136,11 +136,11 @@ def test_a_wrapped_worker_init_fn_keeps_lightnings_seeding(monkeypatch) -> None:
     a ``worker_init_fn``: the strategy's SIGTERM wrapper, installed there, runs it inside."""
     from torch.utils.data import DataLoader
 
-    from lightning_vlmbalance.strategy import _WorkersIgnoreSigterm
+    from lightning_vlmbalance.preemption import WorkersIgnoreSigterm
 
     monkeypatch.setenv("PL_SEED_WORKERS", "1")
     loader = DataLoader(range(4))
-    _WorkersIgnoreSigterm.install(loader, rank=3)
+    WorkersIgnoreSigterm.install(loader, rank=3)
     _auto_add_worker_init_fn(loader, 3)  # what Lightning does next: nothing, it has one
     inner = loader.worker_init_fn.init_fn
     assert (inner.func, inner.keywords) == (pl_worker_init_function, {"rank": 3})
@@ -149,8 +149,8 @@ def test_a_wrapped_worker_init_fn_keeps_lightnings_seeding(monkeypatch) -> None:
         pass
 
     mine = DataLoader(range(4), worker_init_fn=own)
-    _WorkersIgnoreSigterm.install(mine, rank=0)
-    _WorkersIgnoreSigterm.install(mine, rank=0)  # once
+    WorkersIgnoreSigterm.install(mine, rank=0)
+    WorkersIgnoreSigterm.install(mine, rank=0)  # once
     assert mine.worker_init_fn.init_fn is own
 
 

@@ -59,3 +59,28 @@ def test_who_meets_every_micro_batch_decides_auto() -> None:
     assert resolve_objective("both", sync_every_micro_batch=False) == "both"
     config = RebalanceConfig().resolved(sync_every_micro_batch=True)
     assert config.objective == "microstep"
+
+
+def _trainer(strategy, devices: int = 2, **kwargs):
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, **kwargs)
+
+
+def test_the_step_is_read_from_the_trainer_once_and_fixed_by_a_rebalancing_strategy() -> None:
+    """`step_spec` is the one answer to "how many micro-steps, which objective": under a plain
+    strategy it follows the Trainer (a GradientAccumulationScheduler changes it between epochs);
+    a rebalancing strategy fixes its spec at set-up, with its configured objective."""
+    from lightning_vlmbalance.parallel import StepSpec, step_spec
+
+    plain = _trainer("ddp", accumulate_grad_batches=3)
+    step = step_spec(plain)
+    assert (step.micro_steps, step.world.size, step.objective) == (3, 2, "microstep")
+    plain.accumulate_grad_batches = 5  # what a GradientAccumulationScheduler does
+    assert step_spec(plain).micro_steps == 5
+
+    trainer = _trainer(vb.VLMBalanceStrategy(objective="both"), accumulate_grad_batches=4)
+    assert step_spec(trainer).objective == "both"  # before set-up: derived, as configured
+    fixed = StepSpec.of(trainer, objective=trainer.strategy.resolved_objective)
+    trainer.strategy.rebalancer.step = fixed  # what Rebalancer.setup does
+    trainer.accumulate_grad_batches = 7
+    assert step_spec(trainer) is fixed
+    assert (fixed.micro_steps, fixed.objective, fixed.meets_every_micro_batch) == (4, "both", False)

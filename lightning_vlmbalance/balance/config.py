@@ -8,21 +8,12 @@ from typing import Literal, get_args
 
 from lightning_vlmbalance.balance.calibration import Calibration
 from lightning_vlmbalance.balance.planner import OBJECTIVES, Objective
+from lightning_vlmbalance.parallel import resolve_objective
 
 __all__ = ["MODES", "RebalanceConfig", "resolve_objective"]
 
 Mode = Literal["overlap", "sync", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
-
-
-def resolve_objective(objective: str, *, sync_every_micro_batch: bool) -> str:
-    """The one place ``objective="auto"`` is decided: ``"microstep"`` if the ranks synchronise
-    at every micro-batch (FSDP, or Lightning's per-micro-batch flag broadcast; see
-    :func:`lightning_vlmbalance.parallel.meets_every_micro_batch`), else ``"step"``. Any other
-    objective is returned as it is."""
-    if objective != "auto":
-        return objective
-    return "microstep" if sync_every_micro_batch else "step"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

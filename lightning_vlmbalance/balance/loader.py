@@ -182,7 +182,7 @@ class RebalancingLoader:
 
     Args:
         loader: this rank's iterable of packed batches, with ``len``.
-        micro_steps: micro-batches per rank per global batch (``accumulate_grad_batches``).
+        micro_steps: micro-batches per rank per global batch (the fit's ``StepSpec.micro_steps``).
         world_size: ranks in ``group``; ``rank``: this rank in it.
         group: process group for the feature gather and the exchange (``None``: the world).
         cost_model: pack cost model (default :class:`CostModel`).

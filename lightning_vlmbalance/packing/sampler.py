@@ -23,7 +23,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
 from lightning_vlmbalance import _lightning as seam
-from lightning_vlmbalance.balance.config import resolve_objective
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.loss import optimizer_steps, weigh_step
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
@@ -37,7 +36,7 @@ from lightning_vlmbalance.packing.plan import (
     check_length_table,
 )
 from lightning_vlmbalance.packing.source import SourceBalance, build_balanced_epoch_plan
-from lightning_vlmbalance.parallel import data_parallel_world, meets_every_micro_batch
+from lightning_vlmbalance.parallel import data_parallel_world, step_spec
 
 __all__ = ["PackedDataLoader", "PackingSampler"]
 
@@ -76,7 +75,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             on ranks and micro-steps for the objective: ranks read their packs' samples at
             random instead of a contiguous shard; nothing moves at run time. Left to default,
             ``micro_steps`` and ``objective="auto"`` follow the Trainer when the loader knows
-            it (``accumulate_grad_batches``; ``"step"`` under ``"vlmbalance"``,
+            it (its :class:`~lightning_vlmbalance.parallel.StepSpec`; ``"step"`` under
+            ``"vlmbalance"``,
             ``"microstep"`` under ``"fsdp_vlmbalance"`` and under any other strategy with more
             than one rank), else 1 and ``"step"``.
         images: images of each sample (default: one per sample with image tokens); a cost
@@ -326,8 +326,9 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         return self._trainer_objective if given == "auto" else given
 
     def set_micro_steps(self, micro_steps: int, objective: str | None = None) -> None:
-        """The Trainer's ``accumulate_grad_batches`` (and the strategy's objective), where the
-        settings left them to it; the loader calls this when it knows the trainer."""
+        """The fit's micro-steps per optimizer step (and objective: its
+        :class:`~lightning_vlmbalance.parallel.StepSpec`), where the settings left them to it;
+        the loader calls this when it knows the trainer."""
         before = (self.micro_steps, self.objective)
         self._trainer_micro_steps = int(micro_steps)
         if objective is not None:
@@ -474,16 +475,6 @@ def _image_feature_shape(dataset: Dataset, sampler: PackingSampler) -> tuple[int
     return tuple(torch.as_tensor(dataset[int(with_images[0])]["pixel_values"]).shape[1:])
 
 
-def _strategy_objective(trainer: Any) -> str:
-    """The objective the trainer's strategy balances for: a rebalancing strategy's own
-    (``resolved_objective``), else ``"auto"`` decided by how often the ranks meet."""
-    objective = getattr(trainer.strategy, "resolved_objective", None)
-    if objective is not None:
-        return str(objective)
-    meet = meets_every_micro_batch(trainer.strategy)
-    return resolve_objective("auto", sync_every_micro_batch=meet)
-
-
 def _check_ranks_agree(sampler: PackingSampler, epoch: int) -> None:
     """All ranks must plan ``epoch`` from the same table and settings, or DDP would hang on
     unequal step counts: one small all-gather per pass turns that into an error on every rank."""
@@ -581,7 +572,7 @@ class PackedDataLoader:
         collate_fn: defaults to ``PackCollator(sampler.config.seq_len)``.
         trainer: the Lightning ``Trainer`` this loader trains under (``self.trainer`` in a
             ``train_dataloader`` hook). While it trains, the loader groups its packs into the
-            Trainer's optimizer steps (``accumulate_grad_batches``, and the epoch's training
+            Trainer's optimizer steps (its micro-steps per step, and the epoch's training
             batches after ``limit_train_batches`` / ``fast_dev_run``), sums each step's loss
             tokens over the ranks (one small all-reduce per step) and sets ``loss_weight`` and
             ``global_loss_tokens`` (:mod:`lightning_vlmbalance.loss`). Needed with any strategy
@@ -644,14 +635,13 @@ class PackedDataLoader:
     def _adopt_data_parallel(self) -> None:
         """Under tensor parallelism, plan over the strategy's data-parallel group; a balanced
         sampler forms global batches of the Trainer's micro-steps."""
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if self.trainer is not None and distributed:
-            world = data_parallel_world(self.trainer.strategy)
-            self.sampler.set_data_parallel(world.size, world.rank)
-        if self.trainer is not None and self.sampler.balanced:
-            self.sampler.set_micro_steps(
-                int(self.trainer.accumulate_grad_batches), _strategy_objective(self.trainer)
-            )
+        if self.trainer is None:
+            return
+        step = step_spec(self.trainer)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.sampler.set_data_parallel(step.world.size, step.world.rank)
+        if self.sampler.balanced:
+            self.sampler.set_micro_steps(step.micro_steps, step.objective)
 
     def __len__(self) -> int:
         self._adopt_data_parallel()
@@ -730,7 +720,7 @@ class PackedDataLoader:
         # a resume inside an optimizer step (a checkpoint at a mid-epoch validation or on an
         # exception) reads the step from its first pack again: its loss weight counts the
         # tokens of the whole step; the packs trained before the checkpoint are not handed on
-        lead = start % int(self.trainer.accumulate_grad_batches) if weighed else 0
+        lead = start % step_spec(self.trainer).micro_steps if weighed else 0
         start -= lead
         self._iter_epoch, self._start, self._delivered = epoch, start, 0
         refs = self.sampler.pack_refs(start, epoch=plan_epoch)
@@ -820,8 +810,8 @@ class PackedDataLoader:
 
     def _weighted_steps(self, trainer: Any, start: int) -> Iterator[dict[str, Any]]:
         """The inner batches, one optimizer step read ahead at a time, weighted for the step."""
-        micro_steps = int(trainer.accumulate_grad_batches)
-        world = data_parallel_world(trainer.strategy)
+        spec = step_spec(trainer)
+        micro_steps, world = spec.micro_steps, spec.world
         for step in optimizer_steps(
             self._inner,
             micro_steps=micro_steps,

@@ -35,7 +35,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from lightning_vlmbalance.balance.config import resolve_objective
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs, sample_features
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.packing.binpack import Packs
@@ -48,6 +47,7 @@ from lightning_vlmbalance.packing.plan import (
     build_epoch_plan,
     check_length_table,
 )
+from lightning_vlmbalance.parallel import resolve_objective
 
 __all__ = [
     "SourceBalance",
@@ -67,11 +67,11 @@ class SourceBalance:
     Attributes:
         cost_model: the pack cost model: a :class:`~lightning_vlmbalance.CostModel`, a path to
             one saved as JSON, or ``None`` (the defaults).
-        micro_steps: packs per rank per global batch (``accumulate_grad_batches``); ``None``: the
-            Trainer's when the loader knows it, else 1.
+        micro_steps: packs per rank per global batch; ``None``: the Trainer's optimizer step's
+            (:class:`~lightning_vlmbalance.parallel.StepSpec`) when the loader knows it, else 1.
         objective: ``"step"``, ``"microstep"`` (as the rebalancing planner's) or ``"auto"``
             (how the ranks meet under the trainer's strategy,
-            :func:`~lightning_vlmbalance.balance.config.resolve_objective`; ``"step"`` without
+            :func:`~lightning_vlmbalance.parallel.resolve_objective`; ``"step"`` without
             a trainer).
         slack: extra tokens read into a global batch's window, as a fraction of its capacity.
         small_tokens: text samples up to this many tokens fill gaps (phase 3) instead of being

@@ -75,7 +75,7 @@ from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import PADDING
 from lightning_vlmbalance.packing.sampler import check_dataloader_kwargs
 from lightning_vlmbalance.packing.stream import WindowState, pack_stream_windows
-from lightning_vlmbalance.parallel import data_parallel_world
+from lightning_vlmbalance.parallel import data_parallel_world, step_spec
 
 __all__ = ["BAD_SAMPLE_POLICIES", "PackedStreamLoader"]
 
@@ -432,8 +432,8 @@ class PackedStreamLoader:
         buffer: new records per packing window (memory: about ``buffer`` records per worker).
         min_fill: packs filled below this are dissolved once and their samples packed again in
             the next window.
-        micro_steps: packs per rank per global batch without a trainer (with one:
-            ``accumulate_grad_batches``).
+        micro_steps: packs per rank per global batch without a trainer (with one: its
+            :class:`~lightning_vlmbalance.parallel.StepSpec`'s).
         trainer: the Lightning ``Trainer`` (``self.trainer`` in ``train_dataloader``): the
             loader then groups its packs into the Trainer's optimizer steps and, unless a
             wrapper does it (the ``"vlmbalance"`` strategies), weighs each step's loss
@@ -563,7 +563,7 @@ class PackedStreamLoader:
     @property
     def micro_steps(self) -> int:
         if self.trainer is not None:
-            return int(self.trainer.accumulate_grad_batches)
+            return step_spec(self.trainer).micro_steps
         return self._micro_steps
 
     @property

@@ -253,7 +253,7 @@ def _one_rank_fit(rank: int, world: int, case: str) -> dict:
     from lightning.fabric.utilities.seed import pl_worker_init_function
     from torch.utils.data import DataLoader
 
-    from lightning_vlmbalance.strategy import _WorkersIgnoreSigterm
+    from lightning_vlmbalance.preemption import WorkersIgnoreSigterm
     from tests.cpu_fit import cpu_trainer, packed_loader
     from tests.packing.lightning_job import SMALL_VLM, RecordingVLM
 
@@ -279,7 +279,7 @@ def _one_rank_fit(rank: int, world: int, case: str) -> dict:
             loader = self.trainer.strategy.rebalancing_loader.loader
             inner = loader._inner if isinstance(loader, vb.PackedDataLoader) else loader
             fn = inner.worker_init_fn
-            if isinstance(fn, _WorkersIgnoreSigterm):  # the strategy's wrapper keeps it
+            if isinstance(fn, WorkersIgnoreSigterm):  # the strategy's wrapper keeps it
                 fn = fn.init_fn
             key = "packed" if isinstance(loader, vb.PackedDataLoader) else "plain"
             seen[key] = isinstance(fn, partial) and fn.func is pl_worker_init_function
@@ -333,10 +333,10 @@ def _blocked_in_child(queue) -> None:
     import signal
     import time
 
-    from lightning_vlmbalance.strategy import _WorkersIgnoreSigterm
+    from lightning_vlmbalance.preemption import WorkersIgnoreSigterm
 
     before = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    _WorkersIgnoreSigterm(None)(0)  # what a worker runs first
+    WorkersIgnoreSigterm(None)(0)  # what a worker runs first
     after = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     os.kill(os.getpid(), signal.SIGTERM)  # not from the parent (a group signal): ignored
     time.sleep(0.3)
@@ -354,7 +354,7 @@ def test_workers_start_with_sigterm_blocked_until_they_ignore_it() -> None:
     import multiprocessing
     import signal
 
-    from lightning_vlmbalance.strategy import _sigterm_blocked_start
+    from lightning_vlmbalance.preemption import _sigterm_blocked_start
 
     for method in ("fork", "spawn"):
         context = _sigterm_blocked_start(method)
