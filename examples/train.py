@@ -316,7 +316,7 @@ class RunSummary(L.Callback):
                     float(np.median([b["exposed_exchange_ms"] for b in loader.stats])), 2
                 )
         rebalancer = getattr(trainer.strategy, "rebalancer", None)
-        driver = self.monitor.calibration if self.monitor is not None else None
+        driver = None if rebalancer is None else rebalancer.calibration
         if rebalancer is not None:  # the model the run ended with: its own fit, online
             final = rebalancer.cost_model or vb.CostModel()
             self.summary["final_model"] = final.to_dict()

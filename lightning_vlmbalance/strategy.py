@@ -63,10 +63,12 @@ from typing_extensions import override
 
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.calibration import OnlineCalibrator
+from lightning_vlmbalance.balance.calibration_listener import CalibrationListener
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.encoder import begin_micro_batch, returns_zero
 from lightning_vlmbalance.balance.loader import RebalancingLoader
+from lightning_vlmbalance.callbacks.straggler_monitor import StragglerMonitor
 from lightning_vlmbalance.packing.sampler import PackedDataLoader
 from lightning_vlmbalance.packing.streaming import PackedStreamLoader
 from lightning_vlmbalance.parallel import StepSpec, data_parallel_world, step_spec
@@ -133,12 +135,16 @@ class Rebalancer:
         self._logged_batches = 0
         self._wrapped_for: tuple[int, int] | None = None  # (trainer, epoch) of the last wrap
         self._told_unpacked = False  # a training loader that is not one of the packed ones
-        # online calibration (driven by the StragglerMonitor, which has the timings): the
-        # calibrator on every rank (rank 0 fits), and the optimizer step the loader was made at
+        # online calibration: the calibrator on every rank (rank 0 fits), fed by a listener
+        # subscribed to the StragglerMonitor (which has the timings); the optimizer step the
+        # loader was made at
         calibration = self.config.calibration
         self.calibrator = (
             OnlineCalibrator(self.cost_model or CostModel(), calibration) if calibration else None
         )
+        self.calibration = CalibrationListener(self) if self.calibrator is not None else None
+        self._listened_to: StragglerMonitor | None = None
+        self._told_unheard = False
         self._wrapped_at_step = 0
 
     def setup_groups(self) -> None:
@@ -193,6 +199,28 @@ class Rebalancer:
         self.step = StepSpec.of(trainer, objective=self.config.objective)
         if trainer.state.fn == TrainerFn.FITTING:
             self.preemption.install(trainer, self.step)
+            self._listen(trainer)
+
+    def _listen(self, trainer: Any) -> None:
+        """Subscribes online calibration to the fit's StragglerMonitor (the timings it refits
+        on); without one, says once that calibration is on and does nothing."""
+        if self.calibration is None:
+            return
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, StragglerMonitor)]
+        if not monitors:
+            if not self._told_unheard:
+                self._told_unheard = True
+                warnings.warn(
+                    f"`{type(self.strategy).__name__}`: online calibration of the cost model is"
+                    " on (`RebalanceConfig(calibration=Calibration())`, the default) but no"
+                    " `StragglerMonitor` times the steps it refits on: the cost model stays as"
+                    " given. Add `StragglerMonitor()` to the Trainer's callbacks, or pass"
+                    " `calibration=None`",
+                    stacklevel=2,
+                )
+            return
+        self._listened_to = monitors[0]
+        self._listened_to.subscribe(self.calibration)
 
     def _stop_pass(self) -> None:
         """At a SIGTERM's agreed stop: the pass in progress ends on every rank."""
@@ -362,6 +390,9 @@ class Rebalancer:
 
     def teardown(self) -> None:
         self.preemption.release()
+        if self._listened_to is not None and self.calibration is not None:
+            self._listened_to.unsubscribe(self.calibration)
+            self._listened_to = None
         if self.loader is not None:
             # Lightning tears the strategy down before the loop closes the loader's iterator:
             # stop the pass (and its collectives) before the exchange group goes away

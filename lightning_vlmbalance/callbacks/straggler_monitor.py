@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import numbers
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 import torch
@@ -19,9 +19,8 @@ from typing_extensions import override
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance import encoder
 from lightning_vlmbalance.balance.cost import features_from_meta
-from lightning_vlmbalance.callbacks._calibration import CalibrationDriver
 from lightning_vlmbalance.callbacks._options import checked_log_every_n_steps
-from lightning_vlmbalance.parallel import data_parallel_world
+from lightning_vlmbalance.parallel import DataParallelWorld, data_parallel_world
 from lightning_vlmbalance.timing import (
     LIGHTNING_SYNC,
     StepTimer,
@@ -32,9 +31,34 @@ from lightning_vlmbalance.timing import (
 from lightning_vlmbalance.timing.collectives import time_collectives
 from lightning_vlmbalance.timing.timer import HOST
 
-__all__ = ["StragglerMonitor"]
+__all__ = ["StragglerMonitor", "TimedStepsListener"]
 
 log = logging.getLogger(__name__)
+
+
+class TimedStepsListener(Protocol):
+    """What :meth:`StragglerMonitor.subscribe` takes: something fed the timed optimizer steps
+    (the rebalancing strategy's online calibration subscribes itself). Every method runs on
+    every rank at the same point, so a listener may run collectives in them."""
+
+    state_key: str  # its entry in the monitor's checkpoint state
+
+    def start(self, world: DataParallelWorld, global_step: int, state: Any = None) -> None:
+        """Training starts at ``global_step`` (after a restore) in ``world`` (every process);
+        ``state``: the listener's :meth:`state_dict` from the checkpoint, if any."""
+
+    def on_timed_steps(self, steps: list[Any], global_step: int) -> dict[str, float]:
+        """Steps newly timed (``ResolvedStep``: every micro-batch's pack features and phase
+        times) after optimizer step ``global_step``; returns metrics for rank 0 to log."""
+        ...
+
+    def end(self) -> None:
+        """Training ended: join any thread."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (under ``state_key``)."""
+        ...
+
 
 _VISION_NAMES = (
     "vision",
@@ -149,10 +173,9 @@ class StragglerMonitor(Callback):
         self._last_step = 0
         self._failed = False
         self._fitting = False  # from on_train_start to the end of fit: checkpoints gather
-        # online calibration of the strategy's cost model (under "vlmbalance" and
-        # "fsdp_vlmbalance" with RebalanceConfig(calibration=...)): fed from these timings
-        self._calibration: CalibrationDriver | None = None
-        self._calibration_state: dict[str, Any] | None = None  # from a checkpoint
+        # fed the timed steps (the rebalancing strategies' online calibration subscribes)
+        self._listeners: list[TimedStepsListener] = []
+        self._listener_states: dict[str, Any] = {}  # from a checkpoint, by state_key
 
     @property
     def timer(self) -> StepTimer:
@@ -274,8 +297,10 @@ class StragglerMonitor(Callback):
         # after a checkpoint was restored (on_fit_start runs before the restore)
         self._last_step = trainer.global_step
         self._every = _log_interval(trainer, self.log_every_n_steps)
-        self._start_calibration(trainer)
         world = data_parallel_world(trainer.strategy)  # every process: one line per rank
+        for listener in self._listeners:
+            state = self._listener_states.pop(listener.state_key, None)
+            listener.start(world, trainer.global_step, state)
         self.recorder.start(
             self.jsonl_path,
             trainer.global_step,
@@ -330,10 +355,8 @@ class StragglerMonitor(Callback):
         resolved = self.recorder.collect()
         if self._every and trainer.global_step % self._every == 0:  # where Lightning logs
             self._gather_and_log(trainer)
-        if self._calibration is not None:
-            self._calibration.note(resolved)
-            if self._calibration.due(trainer.global_step):
-                self._log(trainer, self._calibration.feed(trainer.global_step))
+        for listener in self._listeners:
+            self._log(trainer, listener.on_timed_steps(resolved, trainer.global_step))
 
     @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -346,8 +369,8 @@ class StragglerMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._calibration is not None:
-            self._calibration.join()
+        for listener in self._listeners:
+            listener.end()
         if self._failed or not self.enabled:
             return
         self.recorder.synchronize()  # once, at the end: resolve the last steps' events
@@ -420,24 +443,21 @@ class StragglerMonitor(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
-    # -- online calibration --------------------------------------------------------------------
-    def _start_calibration(self, trainer: L.Trainer) -> None:
-        """Under a strategy whose rebalancer calibrates: drive it from these timings (after a
-        resume, first adopt the model the checkpoint was planning with)."""
-        self._calibration = None
-        rebalancer = getattr(trainer.strategy, "rebalancer", None)
-        if rebalancer is None or getattr(rebalancer, "calibrator", None) is None:
-            return
-        if self._calibration_state is not None:
-            rebalancer.calibrator.load_state_dict(self._calibration_state)
-            rebalancer.adopt(rebalancer.calibrator.model, global_step=trainer.global_step)
-            self._calibration_state = None
-        self._calibration = CalibrationDriver(rebalancer, data_parallel_world(trainer.strategy))
+    # -- listeners -----------------------------------------------------------------------------
+    def subscribe(self, listener: TimedStepsListener) -> None:
+        """Feeds ``listener`` the timed steps of every fit from now on (once, however often
+        it subscribes), and keeps its state in this monitor's checkpoints."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def unsubscribe(self, listener: TimedStepsListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     @property
-    def calibration(self) -> CalibrationDriver | None:
-        """The online calibration this monitor drives (``None`` without it)."""
-        return self._calibration
+    def listeners(self) -> tuple[TimedStepsListener, ...]:
+        """Those fed the timed steps (:meth:`subscribe`)."""
+        return tuple(self._listeners)
 
     def summary(self) -> dict[str, Any]:
         """Whole-run totals, the same on every rank (as of the last gather: a log point, a
@@ -467,14 +487,16 @@ class StragglerMonitor(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         state = self.recorder.state_dict()
-        if self._calibration is not None:  # the model the strategy plans with, and its version
-            state["calibration"] = self._calibration.calibrator.state_dict()
+        for listener in self._listeners:  # e.g. the cost model the strategy plans with
+            state[listener.state_key] = listener.state_dict()
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
-        self._calibration_state = state.pop("calibration", None)
+        known = self.recorder.state_dict()
+        # what is not the recorder's is a listener's (it may subscribe after the restore)
+        self._listener_states = {k: state.pop(k) for k in list(state) if k not in known}
         self.recorder.load_state_dict(state)
 
 

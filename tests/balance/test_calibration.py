@@ -261,14 +261,15 @@ def test_a_refit_that_is_not_adopted_says_why(caplog) -> None:
     from types import SimpleNamespace
 
     import lightning_vlmbalance as vb
-    from lightning_vlmbalance.callbacks._calibration import CalibrationDriver
+    from lightning_vlmbalance.balance.calibration_listener import CalibrationListener
     from lightning_vlmbalance.parallel import DataParallelWorld
 
     config = vb.RebalanceConfig(calibration=Calibration(every_n_steps=2, max_records=3))
     rebalancer = vb.VLMBalanceStrategy(config=config).rebalancer
     world = DataParallelWorld(size=1, rank=0, world_size=1, global_rank=0, gradient_ranks=1)
     with caplog.at_level(logging.INFO, logger="lightning_vlmbalance"):
-        driver = CalibrationDriver(rebalancer, world)
+        driver = CalibrationListener(rebalancer)
+        driver.start(world, global_step=0)
         records = _records(CostModel(), 64, seed=5)
         for step in (2, 4, 6, 8):
             for s in range(step - 1, step + 1):
@@ -281,3 +282,45 @@ def test_a_refit_that_is_not_adopted_says_why(caplog) -> None:
     told = [r.message for r in caplog.records if "was not adopted" in r.message]
     failed = [m for m in told if "fit failed" in m and "fewer than the 4 terms" in m]
     assert len(failed) == 1, told  # steps 6 and 8 failed alike: said once
+
+
+def test_calibration_listens_to_the_monitor_and_says_when_there_is_none(tmp_path) -> None:
+    """The rebalancer subscribes its calibration to the fit's StragglerMonitor (the monitor
+    knows no strategy), which feeds it every timed step and keeps its state in checkpoints;
+    without a monitor, calibration is on and would do nothing: it says so, once."""
+    import warnings
+
+    import lightning_vlmbalance as vb
+    from examples.vlm import ToyVLM
+    from tests.cpu_fit import cpu_trainer, packed_loader
+    from tests.test_lightning_seam import SMALL_VLM
+
+    class Fit(ToyVLM):
+        def __init__(self) -> None:
+            super().__init__(**SMALL_VLM, max_positions=128)
+
+        def train_dataloader(self):
+            return packed_loader(self.trainer)
+
+    monitor = vb.StragglerMonitor(log_every_n_steps=1, jsonl_dir=tmp_path)
+    config = vb.RebalanceConfig(mode="off", calibration=Calibration(every_n_steps=2))
+    strategy = vb.VLMBalanceStrategy(config=config)
+    trainer = cpu_trainer([monitor], steps=4, strategy=strategy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Fit())
+    listener = strategy.rebalancer.calibration
+    assert not [w for w in caught if "no `StragglerMonitor`" in str(w.message)]
+    assert listener.world is not None and listener.calibrator.records > 0  # fed: timed steps
+    assert monitor.listeners == ()  # unsubscribed at teardown
+    monitor.subscribe(listener)
+    assert monitor.state_dict()["calibration"]["version"] == listener.calibrator.version
+
+    alone = vb.VLMBalanceStrategy(config=config)
+    trainer = cpu_trainer([], steps=2, strategy=alone)
+    for fit in range(2):  # a second fit of the same Trainer: still said once
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(Fit())
+        told = [w for w in caught if "no `StragglerMonitor`" in str(w.message)]
+        assert len(told) == (1 if fit == 0 else 0), [str(w.message) for w in caught]

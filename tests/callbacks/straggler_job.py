@@ -109,10 +109,10 @@ class RecordCalibration(Callback):
         self.seen.append(list(batch["meta"]["sample_ids"]))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        driver = self.monitor.calibration
-        if driver is None:
-            return
         rebalancer = trainer.strategy.rebalancer
+        driver = rebalancer.calibration
+        if driver is None or driver not in self.monitor.listeners:
+            return
         sampler = rebalancer.loader.loader.sampler
         (Path(self.out) / f"{self.name}_rank{trainer.global_rank}.json").write_text(
             json.dumps(

@@ -1,5 +1,6 @@
-"""The StragglerMonitor's side of online calibration (see
-:mod:`lightning_vlmbalance.balance.calibration`).
+"""Online calibration during a fit: the rebalancer's listener to the StragglerMonitor's timed
+steps (the core is :mod:`lightning_vlmbalance.balance.calibration`). The rebalancing strategy
+owns it and subscribes it to the monitor; the monitor knows no strategy.
 
 Every ``every_n_steps`` optimizer steps, on every rank at the same step:
 
@@ -32,31 +33,47 @@ from lightning_vlmbalance.balance.calibration import Refit, usable_records
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.parallel import DataParallelWorld
 
+__all__ = ["CalibrationListener"]
+
 log = logging.getLogger(__name__)
 
 
-class CalibrationDriver:
+class CalibrationListener:
     """Feeds a rebalancer's :class:`~lightning_vlmbalance.balance.calibration.OnlineCalibrator`
-    from the monitor's resolved steps.
+    from a monitor's timed steps, and adopts the refits every rank agrees on (a
+    ``TimedStepsListener`` of :class:`~lightning_vlmbalance.StragglerMonitor`).
 
     Args:
-        rebalancer: the strategy's ``Rebalancer`` (with a ``calibrator``).
-        world: the job's world (``parallel.data_parallel_world``): the gather spans every
-            process, and global rank 0 fits.
+        rebalancer: the strategy's ``Rebalancer`` (with a ``calibrator``; its ``adopt``,
+            ``sampler_position`` and ``cost_model``).
     """
 
-    def __init__(self, rebalancer: Any, world: DataParallelWorld) -> None:
+    state_key = "calibration"  # in the monitor's checkpoint state
+
+    def __init__(self, rebalancer: Any) -> None:
         self.rebalancer = rebalancer
         self.calibrator = rebalancer.calibrator
         self.every = self.calibrator.config.every_n_steps
-        self.world = world
-        self.is_rank_zero = world.global_rank == 0
+        self.world: DataParallelWorld | None = None
+        self.is_rank_zero = False
         self._records: list[tuple[int, list[dict[str, Any]]]] = []  # local, since the last point
         self._thread: threading.Thread | None = None
         self._result: Refit | None = None  # rank 0: finished, not shipped yet
         self._lock = threading.Lock()
         self.shipped: list[dict[str, Any]] = []  # every result adopted, as shipped (rank 0's)
         self._told_reasons: set[str] = set()
+
+    # -- the listener ------------------------------------------------------------------------
+    def start(self, world: DataParallelWorld, global_step: int, state: Any = None) -> None:
+        """At the start of training (after a checkpoint was restored): the gather spans every
+        process of ``world`` and global rank 0 fits; ``state`` (this listener's
+        :meth:`state_dict` from the checkpoint) restores the model the run was planning with,
+        adopted from the first global batch."""
+        self.world, self.is_rank_zero = world, world.global_rank == 0
+        self._records = []
+        if state is not None:
+            self.calibrator.load_state_dict(state)
+            self.rebalancer.adopt(self.calibrator.model, global_step=global_step)
         if self.is_rank_zero:
             log.info(
                 "lightning_vlmbalance: online calibration gathers timings every %d optimizer"
@@ -67,6 +84,21 @@ class CalibrationDriver:
                 2 * self.every,
                 self.every,
             )
+
+    def on_timed_steps(self, steps: list[Any], global_step: int) -> dict[str, float]:
+        """Newly timed optimizer steps (``ResolvedStep``), on every rank after the same step;
+        at a calibration point, the gather and the adoption (a collective). Returns rank 0's
+        ``calibration/*`` metrics (empty elsewhere and between points)."""
+        self.note(steps)
+        return self.feed(global_step) if self.due(global_step) else {}
+
+    def end(self) -> None:
+        """At the end of training: the refit in flight is joined."""
+        self.join()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model the run plans with and its version (the calibrator's state)."""
+        return self.calibrator.state_dict()
 
     def note(self, steps: list[Any]) -> None:
         """Keeps the micro-batch records of newly resolved steps (``ResolvedStep``)."""
@@ -87,6 +119,7 @@ class CalibrationDriver:
             "position": self.rebalancer.sampler_position(),
         }
         everyone: list[Any] = [payload]
+        assert self.world is not None, "start() comes first"
         if self.world.world_size > 1:
             everyone = [None] * self.world.world_size
             dist.all_gather_object(everyone, payload)
