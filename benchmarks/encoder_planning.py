@@ -31,7 +31,7 @@ same with or without the plan):
 * ``waste_bound``: ``max llm + plan.bound``, the least any assignment of the micro-step's
   images could give (for the micro-steps as ordered);
 * ``waste_bound_lp``: the same with the configuration LP's tighter bound
-  (:func:`~lightning_vlmbalance.balance.image_lp.lp_bound`, for reports only: too slow for the
+  (:func:`benchmarks.image_lp.lp_bound`, for reports only: too slow for the
   planner's search); where it equals ``waste_planned`` the plan is proven optimal;
 * ``moved_fraction`` (images encoded away from home / images) and ``images_per_rank`` (images
   per rank and micro-step);
@@ -73,11 +73,11 @@ from pathlib import Path
 
 import numpy as np
 from common import add_json_flag, print_json, stamp, timed
+from image_lp import lp_bound
 from packing import DEFAULT_FILES, SHARED_DATA, BenchmarkError, load
 from planner import replicate
 
 from lightning_vlmbalance.balance import CostModel, features_from_packs
-from lightning_vlmbalance.balance.image_lp import lp_bound
 from lightning_vlmbalance.balance.images import PackImages, order_micro_steps, plan_images
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
 from lightning_vlmbalance.sim.cli import comma_list

@@ -216,8 +216,8 @@ def _rank_packs(
     """This rank's first ``(--warmup + --steps) * --ga`` packs of the real epoch plan (mode
     ``source``: of the source-balanced plan, ``PackingSampler(balance=True)``'s)."""
     from lightning_vlmbalance.balance import CostModel
+    from lightning_vlmbalance.balance.source import SourceBalance, build_balanced_epoch_plan
     from lightning_vlmbalance.packing import PackingConfig, build_epoch_plan
-    from lightning_vlmbalance.packing.source import SourceBalance, build_balanced_epoch_plan
 
     table, _ = load(args)
     total = np.asarray(table.total_tokens, dtype=np.int64)
@@ -342,7 +342,8 @@ def _rank_main(rank: int, world: int, mode: str, args: argparse.Namespace) -> di
     """One emulated rank of one mode (run by ``harness.ranks.run_ranks``)."""
     import torch.distributed as dist
 
-    from lightning_vlmbalance.balance import CostModel, RebalancingLoader
+    from lightning_vlmbalance.balance import CostModel
+    from lightning_vlmbalance.loaders import RebalancingLoader
 
     model = CostModel()
     loader = RebalancingLoader(

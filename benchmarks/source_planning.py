@@ -36,7 +36,7 @@ from common import add_json_flag, print_json, stamp, timed
 from packing import BenchmarkError, load
 
 from lightning_vlmbalance.balance import CostModel
-from lightning_vlmbalance.packing.source import (
+from lightning_vlmbalance.balance.source import (
     SourceBalance,
     _place,
     form_balanced_batches,

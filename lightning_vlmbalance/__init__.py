@@ -40,23 +40,25 @@ from lightning_vlmbalance.balance import (
     ExchangeError,
     RebalanceConfig,
     RebalancePlan,
-    RebalancingLoader,
+    SourceBalance,
     plan_rebalance,
 )
 from lightning_vlmbalance.balance.encoder import encode_images
 from lightning_vlmbalance.callbacks import ActivationOffload, CompiledMoERouting, StragglerMonitor
+from lightning_vlmbalance.loaders import (
+    PackedDataLoader,
+    PackedStreamLoader,
+    PackingSampler,
+    RebalancingLoader,
+)
 from lightning_vlmbalance.loss import PackedLoss, packed_cross_entropy
 from lightning_vlmbalance.offload import ActivationOffloader, offload_activations
 from lightning_vlmbalance.packing import (
     IGNORE_INDEX,
     EpochPlan,
     PackCollator,
-    PackedDataLoader,
-    PackedStreamLoader,
     PackingConfig,
-    PackingSampler,
     Packs,
-    SourceBalance,
     build_epoch_plan,
     pack_greedy,
     packing_efficiency,

@@ -13,7 +13,7 @@ and the sum over ranks and micro-steps of the averaged gradients is exactly ``gr
 ``A`` is Lightning's divisor, not the number of micro-steps the step really had: a step cut short
 (epoch end, ``limit_train_batches``, ``fast_dev_run``) has fewer packs, ``N`` counts only their
 targets, and Lightning still divides by ``A``. A loader that knows the optimizer steps
-(:class:`~lightning_vlmbalance.balance.loader.RebalancingLoader` under ``strategy="vlmbalance"``,
+(:class:`~lightning_vlmbalance.RebalancingLoader` under ``strategy="vlmbalance"``,
 :class:`~lightning_vlmbalance.PackedDataLoader` given the ``trainer``) groups its packs into steps
 with :func:`optimizer_steps`, counts ``N`` over all ranks, and sets the fields with
 :func:`weigh_step`; :func:`packed_cross_entropy` is the loss that uses them.

@@ -31,9 +31,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from lightning_vlmbalance import _lightning as seam
-from lightning_vlmbalance.balance.loader import RebalancingLoader
-from lightning_vlmbalance.packing.sampler import PackedDataLoader
-from lightning_vlmbalance.packing.streaming import PackedStreamLoader
+from lightning_vlmbalance.loaders.map_style import PackedDataLoader
+from lightning_vlmbalance.loaders.rebalancing import RebalancingLoader
+from lightning_vlmbalance.loaders.streaming import PackedStreamLoader
 from lightning_vlmbalance.parallel import StepSpec
 
 __all__ = ["SigtermAgreement", "WorkersIgnoreSigterm"]

@@ -3,7 +3,7 @@
 ``Trainer(strategy="vlmbalance")`` (or ``"ddp_vlmbalance"``, or an instance) is DDP plus:
 
 * the training loader is wrapped in a
-  :class:`~lightning_vlmbalance.balance.loader.RebalancingLoader`
+  :class:`~lightning_vlmbalance.RebalancingLoader`
   (one global batch per optimizer step: :class:`~lightning_vlmbalance.parallel.StepSpec`)
   that plans each global batch with the planner core
   and exchanges the moving packs on a dedicated gloo process group, one global batch ahead in a
@@ -67,10 +67,10 @@ from lightning_vlmbalance.balance.calibration_listener import CalibrationListene
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.encoder import begin_micro_batch, returns_zero
-from lightning_vlmbalance.balance.loader import RebalancingLoader
 from lightning_vlmbalance.callbacks.straggler_monitor import StragglerMonitor
-from lightning_vlmbalance.packing.sampler import PackedDataLoader
-from lightning_vlmbalance.packing.streaming import PackedStreamLoader
+from lightning_vlmbalance.loaders.map_style import PackedDataLoader
+from lightning_vlmbalance.loaders.rebalancing import RebalancingLoader
+from lightning_vlmbalance.loaders.streaming import PackedStreamLoader
 from lightning_vlmbalance.parallel import StepSpec, data_parallel_world, step_spec
 from lightning_vlmbalance.preemption import SigtermAgreement, WorkersIgnoreSigterm
 
@@ -90,7 +90,7 @@ _PLANNED_AHEAD = 2
 
 class Rebalancer:
     """The rebalancing machinery a strategy owns: exchange process groups, the training loader's
-    :class:`~lightning_vlmbalance.balance.loader.RebalancingLoader`, the ``balance/*`` metrics and
+    :class:`~lightning_vlmbalance.RebalancingLoader`, the ``balance/*`` metrics and
     the SIGTERM path. A strategy calls it from its ``setup_distributed``, ``setup``,
     ``process_dataloader``, ``training_step`` and ``teardown``.
 

@@ -21,3 +21,82 @@ def test_internal_pieces_live_in_their_submodules() -> None:
         assert name not in vb.__all__ and not hasattr(vb, name), name
     from lightning_vlmbalance.packing import pack_best_fit_decreasing  # noqa: F401
     from lightning_vlmbalance.strategy import Rebalancer  # noqa: F401
+
+
+# the layers, lowest first: a module imports only from its own layer or lower ones (the base
+# modules from nothing above them), so that the package reads bottom-up and has no cycles
+_LAYERS = (
+    ("parallel", "loss", "_lightning", "attention", "synthetic"),
+    ("packing", "timing", "offload", "moe"),
+    ("balance",),
+    ("loaders", "callbacks"),
+    ("preemption", "strategy", "hf", "sim"),
+)
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    for level, names in enumerate(_LAYERS):
+        if top in names:
+            return level
+    raise AssertionError(f"{module}: not in any layer of the test (add it)")
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every module's imports of the package's own modules, read from the source (imports
+    inside functions count: they run too), less those under ``if TYPE_CHECKING``."""
+    import ast
+    from pathlib import Path
+
+    root = Path(vb.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).with_suffix("")
+        name = ".".join(p for p in rel.parts if p != "__init__")
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "lightning_vlmbalance":  # `from lightning_vlmbalance import x`
+                    found |= {f"lightning_vlmbalance.{a.name}" for a in node.names}
+                elif node.module.startswith("lightning_vlmbalance."):
+                    found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("lightning_vlmbalance.")}
+        graph[name] = found
+    return graph
+
+
+def test_imports_run_down_the_layers_only() -> None:
+    """packing/ (pure packing) <- balance/ (cost, planners, the former) <- loaders/ <- the
+    strategy: no module imports from a layer above its own. The deprecated names a package
+    re-exports from above (``packing.PackingSampler``, ``balance.RebalancingLoader``) are
+    found on first use, in its ``__getattr__``, and are the only exception."""
+    upward = []
+    for module, imported in _imports().items():
+        if module == "lightning_vlmbalance":
+            continue  # the namespace re-exports everything
+        for target in imported:
+            if _layer(target) > _layer(module):
+                upward.append(f"{module} -> {target}")
+    allowed = {
+        "lightning_vlmbalance.packing -> lightning_vlmbalance.loaders.map_style",
+        "lightning_vlmbalance.balance -> lightning_vlmbalance.loaders.rebalancing",
+    }
+    assert sorted(set(upward) - allowed) == []
+
+
+def test_the_moved_names_still_work_with_a_deprecation() -> None:
+    import pytest
+
+    import lightning_vlmbalance.balance as balance
+    import lightning_vlmbalance.packing as packing
+
+    for owner, name in (
+        (packing, "PackingSampler"),
+        (packing, "PackedDataLoader"),
+        (packing, "PackedStreamLoader"),
+        (packing, "SourceBalance"),
+        (balance, "RebalancingLoader"),
+    ):
+        with pytest.deprecated_call(match=name):
+            assert getattr(owner, name) is getattr(vb, name)

@@ -1,4 +1,8 @@
-"""Cross-rank rebalancing: cost model and planner (numpy), pack exchange and loader (torch)."""
+"""Cross-rank rebalancing: cost model, planners and the former that balances at the source
+(numpy), pack exchange and encoder balancing (torch). Built on ``packing/``; the loaders
+(:mod:`lightning_vlmbalance.loaders`) and the strategies build on it."""
+
+from typing import Any
 
 from lightning_vlmbalance.balance.calibration import Calibration, OnlineCalibrator, Refit
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
@@ -13,13 +17,13 @@ from lightning_vlmbalance.balance.cost import (
     read_monitor_jsonl,
 )
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs
-from lightning_vlmbalance.balance.loader import RebalancingLoader
 from lightning_vlmbalance.balance.planner import (
     OBJECTIVES,
     RebalancePlan,
     naive_moved_packs,
     plan_rebalance,
 )
+from lightning_vlmbalance.balance.source import SourceBalance
 
 __all__ = [
     "FEATURES",
@@ -33,8 +37,8 @@ __all__ = [
     "OnlineCalibrator",
     "RebalanceConfig",
     "RebalancePlan",
-    "RebalancingLoader",
     "Refit",
+    "SourceBalance",
     "exchange_packs",
     "features_from_meta",
     "features_from_packs",
@@ -43,3 +47,21 @@ __all__ = [
     "plan_rebalance",
     "read_monitor_jsonl",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # RebalancingLoader moved up to ``loaders`` (release 0.2): found on first use, so that
+    # importing ``balance`` never imports the layer above it
+    if name != "RebalancingLoader":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    from lightning_vlmbalance.loaders.rebalancing import RebalancingLoader
+
+    warnings.warn(
+        "`lightning_vlmbalance.balance.RebalancingLoader` moved: import it from"
+        " `lightning_vlmbalance` (or `lightning_vlmbalance.loaders`)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return RebalancingLoader

@@ -2,7 +2,7 @@
 embeddings return to the rank whose pack holds them, with autograd through the return.
 
 The plan (:mod:`lightning_vlmbalance.balance.images`) and the pixel transfer run off the step
-path, in the :class:`~lightning_vlmbalance.balance.loader.RebalancingLoader`'s planning (its
+path, in the :class:`~lightning_vlmbalance.RebalancingLoader`'s planning (its
 background thread in ``"overlap"`` mode), which leaves on each packed batch:
 
 ``encoder_route``   an :class:`ImageRoute`: which of the pack's images this rank encodes, which

@@ -40,8 +40,8 @@ from lightning_vlmbalance.balance.encoder import (
     check_unchanged,
     return_home,
 )
-from lightning_vlmbalance.balance.loader import image_payload_fields
 from lightning_vlmbalance.hf.families import Family
+from lightning_vlmbalance.loaders.rebalancing import image_payload_fields
 from lightning_vlmbalance.packing.collate import cat_padded
 
 __all__ = ["EncodedImages", "balanced_image_features"]

@@ -1,4 +1,16 @@
-"""Packing-aware sampling: whole samples into fixed-length packs, the same plan on all ranks."""
+"""Packing: whole samples into fixed-length packs (the same plan on every rank), the collation
+of a pack into tensors, and the stream packing core. Pure: it imports nothing from the rest of
+the package but the loss contract's constants (``balance/`` builds on it, never the reverse).
+
+The loaders of packs (:class:`~lightning_vlmbalance.PackingSampler`,
+:class:`~lightning_vlmbalance.PackedDataLoader`,
+:class:`~lightning_vlmbalance.PackedStreamLoader`) are in :mod:`lightning_vlmbalance.loaders`,
+the former that balances at the source (:class:`~lightning_vlmbalance.SourceBalance`) in
+:mod:`lightning_vlmbalance.balance.source`; their old names here still work, with a
+``DeprecationWarning``.
+"""
+
+from typing import Any
 
 from lightning_vlmbalance.packing.binpack import (
     Packs,
@@ -8,22 +20,39 @@ from lightning_vlmbalance.packing.binpack import (
 )
 from lightning_vlmbalance.packing.collate import IGNORE_INDEX, PackCollator
 from lightning_vlmbalance.packing.plan import EpochPlan, PackingConfig, build_epoch_plan
-from lightning_vlmbalance.packing.sampler import PackedDataLoader, PackingSampler
-from lightning_vlmbalance.packing.source import SourceBalance
-from lightning_vlmbalance.packing.streaming import PackedStreamLoader
 
 __all__ = [
     "IGNORE_INDEX",
     "EpochPlan",
     "PackCollator",
-    "PackedDataLoader",
-    "PackedStreamLoader",
     "PackingConfig",
-    "PackingSampler",
     "Packs",
-    "SourceBalance",
     "build_epoch_plan",
     "pack_best_fit_decreasing",
     "pack_greedy",
     "packing_efficiency",
 ]
+
+# name -> module it moved to (release 0.2): found on first use, so that importing ``packing``
+# never imports the layers above it
+_MOVED = {
+    "PackingSampler": "lightning_vlmbalance.loaders.map_style",
+    "PackedDataLoader": "lightning_vlmbalance.loaders.map_style",
+    "PackedStreamLoader": "lightning_vlmbalance.loaders.streaming",
+    "SourceBalance": "lightning_vlmbalance.balance.source",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(
+        f"`lightning_vlmbalance.packing.{name}` moved: import it from `lightning_vlmbalance`"
+        f" (or `{_MOVED[name]}`)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(_MOVED[name]), name)

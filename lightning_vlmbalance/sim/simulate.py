@@ -59,6 +59,7 @@ from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
 from lightning_vlmbalance.balance.images import PackImages, order_micro_steps, plan_images
 from lightning_vlmbalance.balance.planner import plan_rebalance
+from lightning_vlmbalance.loaders.streaming import hand_size, tail_plan, trained_counts
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
 from lightning_vlmbalance.packing.plan import (
     as_length_column,
@@ -66,7 +67,6 @@ from lightning_vlmbalance.packing.plan import (
     check_length_table,
 )
 from lightning_vlmbalance.packing.stream import pack_stream
-from lightning_vlmbalance.packing.streaming import hand_size, tail_plan, trained_counts
 from lightning_vlmbalance.synthetic import LengthTable
 
 __all__ = [
@@ -383,9 +383,9 @@ def _stream_plan(
 def stream_padding_share(counts: Sequence[int], G: int) -> float:
     """The share of an epoch's micro-batches that are padding packs when rank ``r``'s streams
     give ``counts[r]`` packs: global batch by global batch as ``PackedStreamLoader`` runs it
-    (:func:`~lightning_vlmbalance.packing.streaming.tail_plan`: ranks whose streams ended
+    (:func:`~lightning_vlmbalance.loaders.streaming.tail_plan`: ranks whose streams ended
     take packs from the others, up to ``G`` each, read ahead by :func:`~lightning_vlmbalance.
-    packing.streaming.hand_size`; until every rank's streams ended a rank still short pads to
+    loaders.streaming.hand_size`; until every rank's streams ended a rank still short pads to
     ``G``, in the last global batch to the longest)."""
     left = list(counts)
     slots = padding = 0
@@ -405,7 +405,7 @@ def stream_padding_share(counts: Sequence[int], G: int) -> float:
 
 
 class _SourcePool:
-    """The packs of a source-balanced sampler (:mod:`lightning_vlmbalance.packing.source`) for
+    """The packs of a source-balanced sampler (:mod:`lightning_vlmbalance.balance.source`) for
     one ``(dp, ga)`` over the given table rows (the samples of ``off``'s global batches), and
     all of its global batches, as formed and placed: a whole epoch of exactly those samples
     (the last global batch padded with empty packs, as the sampler does)."""
@@ -422,7 +422,7 @@ class _SourcePool:
         seed: int,
         objective: str,
     ) -> None:
-        from lightning_vlmbalance.packing.source import SourceBalance, build_balanced_epoch_plan
+        from lightning_vlmbalance.balance.source import SourceBalance, build_balanced_epoch_plan
 
         total = np.asarray(table.total_tokens, dtype=np.int64)[rows]
         image = np.asarray(table.image_tokens, dtype=np.int64)[rows]

@@ -1,5 +1,5 @@
 """A plain-Python former of balanced global batches: the test oracle of the compiled one
-(``lightning_vlmbalance.packing._source_kernel``). Same algorithm, lists and ``heapq``; slow."""
+(``lightning_vlmbalance.balance._source_kernel``). Same algorithm, lists and ``heapq``; slow."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lightning_vlmbalance.packing.source import SourceBalance
+from lightning_vlmbalance.balance.source import SourceBalance
 
 
 def form_balanced_batches(

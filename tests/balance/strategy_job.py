@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 import lightning_vlmbalance as vb
-from lightning_vlmbalance.balance.loader import RebalancingLoader
+from lightning_vlmbalance.loaders.rebalancing import RebalancingLoader
 from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 from tests.launch import THEN, fit_arg_lists
 from tests.packing.lightning_job import SMALL_VLM, Data, RecordingVLM, step_checkpoints
@@ -99,7 +99,7 @@ def _fail_exchange(rank: int, at: int) -> None:
     """On ``rank``, the n-th exchange raises (as a bug or a lost device would)."""
     import os
 
-    import lightning_vlmbalance.balance.loader as loader_mod
+    import lightning_vlmbalance.loaders.rebalancing as loader_mod
 
     if int(os.environ.get("LOCAL_RANK", "0")) != rank:
         return

@@ -233,7 +233,7 @@ def test_a_resume_plans_its_first_global_batch_with_the_checkpoints_model() -> N
     """A resume adopts the checkpoint's model before any global batch is planned: it applies
     from the first one (it was the fourth: three planned with the starting model)."""
     import lightning_vlmbalance as vb
-    from lightning_vlmbalance.balance.loader import RebalancingLoader
+    from lightning_vlmbalance.loaders.rebalancing import RebalancingLoader
 
     strategy = vb.VLMBalanceStrategy(mode="off")
     rebalancer = strategy.rebalancer

@@ -363,7 +363,7 @@ def test_per_sample_costs_sum_to_the_pack_cost() -> None:
     pack's samples' costs plus the per-pack costs are the model's cost of that pack, for any
     coefficients (one rounding rule for per-image sizes: rounded down, as in pack features)."""
     from lightning_vlmbalance.balance.cost import features_from_packs, sample_features
-    from lightning_vlmbalance.packing.source import sample_costs
+    from lightning_vlmbalance.balance.source import sample_costs
 
     table = synthetic_length_table(300, tile_tokens=7, seed=4)
     images = np.where(table.images > 0, table.images + 1, 0)  # image sizes that do not divide

@@ -13,12 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.image_lp import lp_bound, lp_min_ranks
 from harness.jobs import check, result, selected
 from harness.ranks import run_ranks
 from lightning_vlmbalance.balance.encoder import encode_images, register_group, route_for
-from lightning_vlmbalance.balance.image_lp import lp_bound, lp_min_ranks
 from lightning_vlmbalance.balance.images import image_bound, plan_images
-from lightning_vlmbalance.balance.loader import image_payload_fields
+from lightning_vlmbalance.loaders.rebalancing import image_payload_fields
 from tests.balance.fits import fit_result, job, max_rel_diff
 from tests.balance.strategy_job import run_fits
 

@@ -7,8 +7,8 @@ import torch
 
 import lightning_vlmbalance as vb
 from harness.ranks import run_ranks
-from lightning_vlmbalance.balance.loader import RebalancingLoader
-from lightning_vlmbalance.balance.loader import _batch_features as batch_features
+from lightning_vlmbalance.loaders.rebalancing import RebalancingLoader
+from lightning_vlmbalance.loaders.rebalancing import _batch_features as batch_features
 from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 
 
@@ -179,7 +179,7 @@ def test_closing_early_joins_the_thread_without_a_stray_collective() -> None:
 def _failing_job(rank: int, world: int) -> str:
     import time
 
-    import lightning_vlmbalance.balance.loader as loader_mod
+    import lightning_vlmbalance.loaders.rebalancing as loader_mod
 
     if rank == 1:
 
@@ -211,7 +211,7 @@ def _abandoned_pass_job(rank: int, world: int) -> dict:
     import threading
     import time
 
-    import lightning_vlmbalance.balance.loader as loader_mod
+    import lightning_vlmbalance.loaders.rebalancing as loader_mod
 
     # the old pass's exchanges take a while, so its thread is inside one when the new pass
     # begins (the new pass's own exchanges need not be slow: its first global batch is where an

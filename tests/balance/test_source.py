@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import lightning_vlmbalance as vb
-from lightning_vlmbalance.packing.source import (
+from lightning_vlmbalance.balance.source import (
     SourceBalance,
     form_balanced_batches,
     sample_costs,

@@ -354,9 +354,10 @@ def test_the_job_filters_only_the_known_third_party_warnings() -> None:
     ]
     assert len(known) == len(QUIET_WARNINGS)
     shown = [
-        (message, category, "lightning_vlmbalance.balance.loader") for message, category, _ in known
+        (message, category, "lightning_vlmbalance.loaders.rebalancing")
+        for message, category, _ in known
     ] + [
-        ("a rank's plan is late", UserWarning, "lightning_vlmbalance.balance.loader"),
+        ("a rank's plan is late", UserWarning, "lightning_vlmbalance.loaders.rebalancing"),
         ("something else is deprecated", FutureWarning, "lightning.fabric.utilities.distributed"),
         (known[0][0], DeprecationWarning, "lightning.fabric.utilities.distributed"),
     ]

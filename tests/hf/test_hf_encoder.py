@@ -57,8 +57,8 @@ def _route_job(rank: int, world: int, family: str, scenario: str, wrap: str = "n
 
     import lightning_vlmbalance.hf as vbhf
     from lightning_vlmbalance.balance.encoder import register_group, route_for
-    from lightning_vlmbalance.balance.loader import image_payload_fields
     from lightning_vlmbalance.hf.synthetic import SyntheticProcessed, tiny_config
+    from lightning_vlmbalance.loaders.rebalancing import image_payload_fields
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

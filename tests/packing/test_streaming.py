@@ -168,7 +168,7 @@ def test_padding_packs_carry_no_loss_and_keep_the_pixel_shape() -> None:
 def test_the_tail_plan_lends_the_next_packs_of_longer_ranks_to_short_ones(
     counts, G, used, moves
 ) -> None:
-    from lightning_vlmbalance.packing.streaming import tail_plan
+    from lightning_vlmbalance.loaders.streaming import tail_plan
 
     assert tail_plan(counts, G) == (used, moves)
 
@@ -324,7 +324,7 @@ def test_an_overlong_record_is_an_error_by_default_or_skipped_counted_and_warned
 def test_before_the_last_global_batch_every_rank_trains_whole_steps(
     counts, G, final, used, moves
 ) -> None:
-    from lightning_vlmbalance.packing.streaming import hand_size, tail_plan, trained_counts
+    from lightning_vlmbalance.loaders.streaming import hand_size, tail_plan, trained_counts
 
     assert tail_plan(counts, G, final=final) == (used, moves)
     if not final:

@@ -240,7 +240,7 @@ def _proc_status() -> tuple[float, int, float]:
 
 
 def soak(rank: int, world: int, group: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_vlmbalance.balance.loader import RebalancingLoader
+    from lightning_vlmbalance.loaders.rebalancing import RebalancingLoader
 
     B, M = args.global_batches, args.micro_steps
     source = PackSource(rank, B * M, args)

@@ -167,7 +167,7 @@ def form_balanced_batches(
     Returns:
         The global batches in order; the last may have fewer than ``P`` packs.
     """
-    from lightning_vlmbalance.packing._source_kernel import form_epoch
+    from lightning_vlmbalance.balance._source_kernel import form_epoch
 
     P = int(packs_per_batch)
     samples, pack_len, window_packs = form_epoch(
@@ -381,7 +381,7 @@ def _exact_batches(
     """The unbalanced plan's global batches, each re-formed into as many balanced packs from its
     own samples where they fit; otherwise kept as they are. Returns the batches and how many
     were kept. ``costs``: per sample, from each ``(first batch, model, cost, fixed)`` on."""
-    from lightning_vlmbalance.packing._source_kernel import balance_window, emit_packs
+    from lightning_vlmbalance.balance._source_kernel import balance_window, emit_packs
 
     plain = build_epoch_plan(total_tokens, image_tokens, config, world_size=R, epoch=epoch)
     n = plain.packs_per_rank

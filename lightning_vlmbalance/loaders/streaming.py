@@ -70,10 +70,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.exchange import exchange_packs
+from lightning_vlmbalance.loaders.map_style import check_dataloader_kwargs
 from lightning_vlmbalance.loss import weigh_step
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import PADDING
-from lightning_vlmbalance.packing.sampler import check_dataloader_kwargs
 from lightning_vlmbalance.packing.stream import WindowState, pack_stream_windows
 from lightning_vlmbalance.parallel import data_parallel_world, step_spec
 

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.balance.source import SourceBalance, build_balanced_epoch_plan
 from lightning_vlmbalance.loss import optimizer_steps, weigh_step
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import (
@@ -35,7 +36,6 @@ from lightning_vlmbalance.packing.plan import (
     check_image_counts,
     check_length_table,
 )
-from lightning_vlmbalance.packing.source import SourceBalance, build_balanced_epoch_plan
 from lightning_vlmbalance.parallel import data_parallel_world, step_spec
 
 __all__ = ["PackedDataLoader", "PackingSampler"]
@@ -66,7 +66,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             window, min_fill, overlong, remainder, packer, image_budget``).
         num_replicas: data-parallel ranks (default: the initialised process group's world size).
         rank: this rank (default: the process group's rank).
-        balance: balance at the source (:mod:`lightning_vlmbalance.packing.source`): a
+        balance: balance at the source (:mod:`lightning_vlmbalance.balance.source`): a
             :class:`~lightning_vlmbalance.SourceBalance` (every setting: cost model,
             micro-steps, objective, ``exact``, ``plan_ahead``, the former's knobs), or ``True``
             (``SourceBalance()``), or a ``CostModel`` or a path to one saved as JSON (with the
@@ -682,7 +682,7 @@ class PackedDataLoader:
 
     def weighed_by(self, wrapper: object) -> None:
         """Called by a wrapper that groups this loader's packs into optimizer steps and weighs
-        them itself (a :class:`~lightning_vlmbalance.balance.loader.RebalancingLoader`): one
+        them itself (a :class:`~lightning_vlmbalance.RebalancingLoader`): one
         component weighs a step, so this loader no longer does (no second sum per step)."""
         self._weighed_by = wrapper
 
@@ -905,7 +905,7 @@ class PackedDataLoader:
 
     def state_at(self, position: int) -> dict[str, Any]:
         """The state that resumes at ``position`` of the pass in progress: what a wrapper that
-        reads ahead (:class:`~lightning_vlmbalance.balance.loader.RebalancingLoader`) saves,
+        reads ahead (:class:`~lightning_vlmbalance.RebalancingLoader`) saves,
         the packs it has handed on rather than those it has read. Without a pass of the
         current epoch in progress, :meth:`state_dict`."""
         state = self.state_dict()

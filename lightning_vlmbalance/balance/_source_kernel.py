@@ -1,4 +1,4 @@
-"""The compiled core of balancing at the source (:mod:`lightning_vlmbalance.packing.source`).
+"""The compiled core of balancing at the source (:mod:`lightning_vlmbalance.balance.source`).
 
 One global batch of 4,096 packs holds about 26,000 samples; a Python loop over them costs about
 a quarter of a second, so the former runs as machine code (numba, ``nogil``: a background thread

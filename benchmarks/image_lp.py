@@ -14,6 +14,9 @@ rank can hold is 1), by the simplex method, over the maximal configurations only
 capacity the relaxation admits, rounded up to a load a rank can actually reach, is a lower
 bound of the largest load over every assignment.
 
+Used by `benchmarks/encoder_planning.py` and the tests (it is not part of the package: nothing at
+run time needs it).
+
 Only for equal base loads (every rank pays the same per-call cost: encoder balancing's case).
 With more than ``max_classes`` distinct costs, the costs are rounded *down* to that many classes
 (a relaxation, so the bound stays valid, if weaker).
