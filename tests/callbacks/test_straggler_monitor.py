@@ -59,8 +59,10 @@ def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int,
     for phase in (*MEASURED_PHASES, "step"):
         for r in (0, 1):
             assert f"straggler/{phase}_ms/rank_{r}" in tags
+    # the first log point also holds the warm-up (rank 0 alone sets up the logger's event
+    # files), where a machine busy with other work made rank 0 the worst once: judged after it
     worst = _series(acc, "straggler/worst_rank")
-    assert len(worst) >= 5 and (worst == 1).mean() >= 0.9
+    assert len(worst) >= 5 and (worst[1:] == 1).mean() >= 0.9, worst
     waste = _series(acc, "straggler/waste_frac")
     assert ((waste > 0) & (waste < 1)).all()
     assert (_series(acc, "straggler/max_over_median") >= 1).all()
