@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch._dynamo
+import torch.distributed as dist
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -22,3 +25,19 @@ def one_thread():
     torch._dynamo.reset()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def restore_process_state():
+    """For a test that fits a DDP strategy (``"vlmbalance"``) in this process: the fit
+    initialises a world-size-1 process group here and sets Lightning's launch variables
+    (``MASTER_PORT``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...), which every later subprocess job
+    would inherit (and then fail: it would think it was launched as a rank already). Undone
+    after the test."""
+    env = dict(os.environ)
+    os.environ["OMP_NUM_THREADS"] = "1"  # else Lightning sets torch's threads to cores // ranks
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)

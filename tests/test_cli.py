@@ -7,20 +7,18 @@ imported ``Strategy`` subclass; a registry name is neither, so it takes no ``ini
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
-import torch.distributed as dist
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 from tests.cpu_fit import packed_loader
 
-pytestmark = pytest.mark.usefixtures("one_thread", "restore_process_state")
+pytestmark = pytest.mark.usefixtures("one_thread", "restore_process_state", "cli_argv")
 
 TRAINER = """\
 seed_everything: 0
@@ -47,17 +45,8 @@ class PackedData(L.LightningDataModule):
 
 
 @pytest.fixture
-def restore_process_state(monkeypatch):
-    """The fit initialises a world-size-1 process group in this process and sets Lightning's
-    launch variables (``MASTER_PORT``, ``LOCAL_RANK``, ...): undo both for the tests after."""
+def cli_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py"])  # the CLI reads `args`, not pytest's argv
-    env = dict(os.environ)
-    os.environ["OMP_NUM_THREADS"] = "1"  # else Lightning sets torch's threads to cores // ranks
-    yield
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(env)
 
 
 def _fit(tmp_path: Path, strategy_yaml: str) -> LightningCLI:

@@ -284,6 +284,7 @@ def test_a_refit_that_is_not_adopted_says_why(caplog) -> None:
     assert len(failed) == 1, told  # steps 6 and 8 failed alike: said once
 
 
+@pytest.mark.usefixtures("restore_process_state")
 def test_calibration_listens_to_the_monitor_and_says_when_there_is_none(tmp_path) -> None:
     """The rebalancer subscribes its calibration to the fit's StragglerMonitor (the monitor
     knows no strategy), which feeds it every timed step and keeps its state in checkpoints;
