@@ -143,7 +143,6 @@ class Rebalancer:
             OnlineCalibrator(self.cost_model or CostModel(), calibration) if calibration else None
         )
         self.calibration = CalibrationListener(self) if self.calibrator is not None else None
-        self._listened_to: StragglerMonitor | None = None
         self._told_unheard = False
         self._wrapped_at_step = 0
 
@@ -219,8 +218,7 @@ class Rebalancer:
                     stacklevel=2,
                 )
             return
-        self._listened_to = monitors[0]
-        self._listened_to.subscribe(self.calibration)
+        monitors[0].subscribe(self.calibration)  # for this fit (the monitor forgets it after)
 
     def _stop_pass(self) -> None:
         """At a SIGTERM's agreed stop: the pass in progress ends on every rank."""
@@ -255,9 +253,9 @@ class Rebalancer:
             if dataloader.micro_steps != step.micro_steps:
                 raise ValueError(
                     f"the training loader is a RebalancingLoader(micro_steps="
-                    f"{dataloader.micro_steps}) but the Trainer's optimizer step has"
-                    f" {step.micro_steps} micro-batches: a global batch must be one optimizer"
-                    " step; make them equal (or return the plain loader)"
+                    f"{dataloader.micro_steps}) but `Trainer(accumulate_grad_batches="
+                    f"{step.micro_steps})`: a global batch must be one optimizer step; make"
+                    " them equal (or return the plain loader)"
                 )
             dataloader = dataloader.loader
         if isinstance(dataloader, PackedDataLoader | PackedStreamLoader):
@@ -390,9 +388,6 @@ class Rebalancer:
 
     def teardown(self) -> None:
         self.preemption.release()
-        if self._listened_to is not None and self.calibration is not None:
-            self._listened_to.unsubscribe(self.calibration)
-            self._listened_to = None
         if self.loader is not None:
             # Lightning tears the strategy down before the loop closes the loader's iterator:
             # stop the pass (and its collectives) before the exchange group goes away

@@ -26,7 +26,7 @@ def test_internal_pieces_live_in_their_submodules() -> None:
 # the layers, lowest first: a module imports only from its own layer or lower ones (the base
 # modules from nothing above them), so that the package reads bottom-up and has no cycles
 _LAYERS = (
-    ("parallel", "loss", "_lightning", "attention", "synthetic"),
+    ("parallel", "loss", "_lightning", "_moved", "attention", "synthetic"),
     ("packing", "timing", "offload", "moe"),
     ("balance",),
     ("loaders", "callbacks"),
@@ -100,3 +100,33 @@ def test_the_moved_names_still_work_with_a_deprecation() -> None:
     ):
         with pytest.deprecated_call(match=name):
             assert getattr(owner, name) is getattr(vb, name)
+    # `from package import name` reads the name twice: it warns once
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from lightning_vlmbalance.packing import PackedStreamLoader  # noqa: F401
+    assert len([w for w in caught if issubclass(w.category, DeprecationWarning)]) <= 1
+
+
+def test_objects_pickled_under_the_old_module_paths_still_load() -> None:
+    """A pickle names its class by module path (a sampler kept by ``save_hyperparameters``,
+    say): the old paths find the moved classes."""
+    import pickle
+
+    import pytest
+
+    for module, name in (
+        ("lightning_vlmbalance.packing.sampler", "PackingSampler"),
+        ("lightning_vlmbalance.packing.streaming", "PackedStreamLoader"),
+        ("lightning_vlmbalance.packing.source", "SourceBalance"),
+        ("lightning_vlmbalance.balance.loader", "RebalancingLoader"),
+    ):
+        with pytest.deprecated_call(match=name):
+            found = pickle.loads(f"c{module}\n{name}\n.".encode())  # the GLOBAL opcode
+        assert found is getattr(vb, name)
+    balance = vb.SourceBalance(micro_steps=2)
+    old = pickle.dumps(balance).replace(
+        b"lightning_vlmbalance.balance.source", b"lightning_vlmbalance.packing.source"
+    )
+    assert pickle.loads(old) == balance  # (warned once above, for this module's name)

@@ -2,8 +2,7 @@
 (numpy), pack exchange and encoder balancing (torch). Built on ``packing/``; the loaders
 (:mod:`lightning_vlmbalance.loaders`) and the strategies build on it."""
 
-from typing import Any
-
+from lightning_vlmbalance._moved import moved
 from lightning_vlmbalance.balance.calibration import Calibration, OnlineCalibrator, Refit
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import (
@@ -49,19 +48,8 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # RebalancingLoader moved up to ``loaders`` (release 0.2): found on first use, so that
-    # importing ``balance`` never imports the layer above it
-    if name != "RebalancingLoader":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    from lightning_vlmbalance.loaders.rebalancing import RebalancingLoader
-
-    warnings.warn(
-        "`lightning_vlmbalance.balance.RebalancingLoader` moved: import it from"
-        " `lightning_vlmbalance` (or `lightning_vlmbalance.loaders`)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return RebalancingLoader
+# RebalancingLoader moved up to ``loaders`` (release 0.2), found on first use: ``balance``'s own
+# modules import nothing above it
+__getattr__ = moved(
+    __name__, {"RebalancingLoader": "lightning_vlmbalance.loaders.rebalancing"}, globals()
+)

@@ -192,6 +192,10 @@ class StragglerMonitor(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # listeners subscribe per fit (a strategy's, in its own setup, which comes after this
+        # one): those of an earlier fit are fed no more (their state stayed in the checkpoints
+        # saved after that fit)
+        self._listeners.clear()
         self.recorder.use_clock("cuda" if trainer.strategy.root_device.type == "cuda" else "cpu")
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy) and strategy.root_device.type == "cuda":
@@ -395,6 +399,9 @@ class StragglerMonitor(Callback):
 
     def _cleanup(self) -> None:
         self._fitting = False
+        # a restored listener state belongs to the run that restored it (a fit consumes it at
+        # its start; `validate(ckpt_path=...)` restores it too): never to a later fit
+        self._listener_states = {}
         if self._timing_returns is not None:
             encoder.time_returns(self._timing_returns, on=False)
             time_collectives(self._timing_returns, on=False)
@@ -445,8 +452,10 @@ class StragglerMonitor(Callback):
 
     # -- listeners -----------------------------------------------------------------------------
     def subscribe(self, listener: TimedStepsListener) -> None:
-        """Feeds ``listener`` the timed steps of every fit from now on (once, however often
-        it subscribes), and keeps its state in this monitor's checkpoints."""
+        """Feeds ``listener`` the timed steps of the fit being set up (subscribe from a
+        strategy's ``setup``, or any point after this monitor's ``setup``; once, however often
+        it subscribes) and keeps its state in this monitor's checkpoints, those saved after the
+        fit too, until the next fit sets up."""
         if listener not in self._listeners:
             self._listeners.append(listener)
 

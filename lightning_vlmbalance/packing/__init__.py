@@ -6,12 +6,12 @@ The loaders of packs (:class:`~lightning_vlmbalance.PackingSampler`,
 :class:`~lightning_vlmbalance.PackedDataLoader`,
 :class:`~lightning_vlmbalance.PackedStreamLoader`) are in :mod:`lightning_vlmbalance.loaders`,
 the former that balances at the source (:class:`~lightning_vlmbalance.SourceBalance`) in
-:mod:`lightning_vlmbalance.balance.source`; their old names here still work, with a
+:mod:`lightning_vlmbalance.balance.source`; their old names here, and the old modules
+``packing.sampler``, ``packing.streaming`` and ``packing.source``, still work with a
 ``DeprecationWarning``.
 """
 
-from typing import Any
-
+from lightning_vlmbalance._moved import moved
 from lightning_vlmbalance.packing.binpack import (
     Packs,
     pack_best_fit_decreasing,
@@ -33,26 +33,15 @@ __all__ = [
     "packing_efficiency",
 ]
 
-# name -> module it moved to (release 0.2): found on first use, so that importing ``packing``
-# never imports the layers above it
-_MOVED = {
-    "PackingSampler": "lightning_vlmbalance.loaders.map_style",
-    "PackedDataLoader": "lightning_vlmbalance.loaders.map_style",
-    "PackedStreamLoader": "lightning_vlmbalance.loaders.streaming",
-    "SourceBalance": "lightning_vlmbalance.balance.source",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn(
-        f"`lightning_vlmbalance.packing.{name}` moved: import it from `lightning_vlmbalance`"
-        f" (or `{_MOVED[name]}`)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(_MOVED[name]), name)
+# moved names (release 0.2), found on first use: ``packing``'s own modules import nothing above
+# it (the package's ``__init__`` imports every layer, as any import of a submodule runs it)
+__getattr__ = moved(
+    __name__,
+    {
+        "PackingSampler": "lightning_vlmbalance.loaders.map_style",
+        "PackedDataLoader": "lightning_vlmbalance.loaders.map_style",
+        "PackedStreamLoader": "lightning_vlmbalance.loaders.streaming",
+        "SourceBalance": "lightning_vlmbalance.balance.source",
+    },
+    globals(),
+)

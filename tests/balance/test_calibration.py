@@ -313,9 +313,22 @@ def test_calibration_listens_to_the_monitor_and_says_when_there_is_none(tmp_path
     listener = strategy.rebalancer.calibration
     assert not [w for w in caught if "no `StragglerMonitor`" in str(w.message)]
     assert listener.world is not None and listener.calibrator.records > 0  # fed: timed steps
-    assert monitor.listeners == ()  # unsubscribed at teardown
-    monitor.subscribe(listener)
+    # a checkpoint saved after the fit keeps the model the run planned with
     assert monitor.state_dict()["calibration"]["version"] == listener.calibrator.version
+    saved = monitor.state_dict()
+
+    # the next fit of the same monitor under a plain strategy: the old listener is fed no more; a
+    # restored state of an earlier run (validate(ckpt_path=...)) does not reach a later fit
+    monitor.load_state_dict({**saved, "calibration": {**saved["calibration"], "version": 5}})
+    records = listener.calibrator.records
+    trainer = cpu_trainer([monitor], steps=2)
+    trainer.fit(Fit())
+    assert monitor.listeners == () and listener.calibrator.records == records
+    assert "calibration" not in monitor.state_dict()
+    fresh = vb.VLMBalanceStrategy(config=config)
+    trainer = cpu_trainer([monitor], steps=2, strategy=fresh)
+    trainer.fit(Fit())  # no ckpt_path: its own start, not the state restored for another run
+    assert fresh.rebalancer.calibrator.version == 0  # not the restored 5
 
     alone = vb.VLMBalanceStrategy(config=config)
     trainer = cpu_trainer([], steps=2, strategy=alone)

@@ -109,8 +109,8 @@ class RecordCalibration(Callback):
         self.seen.append(list(batch["meta"]["sample_ids"]))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        rebalancer = trainer.strategy.rebalancer
-        driver = rebalancer.calibration
+        rebalancer = getattr(trainer.strategy, "rebalancer", None)  # plain DDP has none
+        driver = None if rebalancer is None else rebalancer.calibration
         if driver is None or driver not in self.monitor.listeners:
             return
         sampler = rebalancer.loader.loader.sampler

@@ -1,0 +1,33 @@
+"""Old homes of moved names: a module ``__getattr__`` that finds a name where it lives now, on
+first use, with a ``DeprecationWarning`` (so importing the old home imports nothing above it,
+and objects pickled under the old module path still load)."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def moved(
+    old: str, names: Mapping[str, str] | str, namespace: dict[str, Any]
+) -> Callable[[str], Any]:
+    """The ``__getattr__`` of module ``old`` (``namespace``: its ``globals()``): ``names`` maps
+    each moved name to its new module, or is one module every unknown name moved to. A name
+    found is kept in ``namespace``: it warns once, however often it is read."""
+
+    def __getattr__(name: str) -> Any:  # noqa: N807 (a module's __getattr__)
+        new = names if isinstance(names, str) else names.get(name)
+        if new is None or name.startswith("__"):
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(new), name)
+        warnings.warn(
+            f"`{old}.{name}` moved to `{new}` (import public names from `lightning_vlmbalance`)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        namespace[name] = value
+        return value
+
+    return __getattr__
