@@ -459,10 +459,6 @@ class StragglerMonitor(Callback):
         if listener not in self._listeners:
             self._listeners.append(listener)
 
-    def unsubscribe(self, listener: TimedStepsListener) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
-
     @property
     def listeners(self) -> tuple[TimedStepsListener, ...]:
         """Those fed the timed steps (:meth:`subscribe`)."""
