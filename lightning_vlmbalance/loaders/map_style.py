@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.source import SourceBalance, build_balanced_epoch_plan
-from lightning_vlmbalance.loss import optimizer_steps, weigh_step
+from lightning_vlmbalance.loaders.global_batch import GlobalBatchFormer
+from lightning_vlmbalance.loss import optimizer_steps
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import (
     PADDING,
@@ -573,8 +574,8 @@ class PackedDataLoader:
         trainer: the Lightning ``Trainer`` this loader trains under (``self.trainer`` in a
             ``train_dataloader`` hook). While it trains, the loader groups its packs into the
             Trainer's optimizer steps (its micro-steps per step, and the epoch's training
-            batches after ``limit_train_batches`` / ``fast_dev_run``), sums each step's loss
-            tokens over the ranks (one small all-reduce per step) and sets ``loss_weight`` and
+            batches after ``limit_train_batches`` / ``fast_dev_run``), counts each step's loss
+            tokens over the ranks (one small all-gather per step) and sets ``loss_weight`` and
             ``global_loss_tokens`` (:mod:`lightning_vlmbalance.loss`). Needed with any strategy
             but ``"vlmbalance"`` (which does this itself) once there is more than one rank or
             micro-step; :func:`~lightning_vlmbalance.packed_cross_entropy` says so if forgotten.
@@ -612,7 +613,6 @@ class PackedDataLoader:
         # Trainer is attached): said in the error a weighted loss raises
         self._given_none = trainer is None
         self.trainer = None if trainer is _NO_TRAINER else trainer
-        self._weighed_by: object | None = None  # a wrapper that weighs the steps itself
         self.collate_fn = collate_fn or PackCollator(sampler.config.seq_len)
         self.dataloader_kwargs = dataloader_kwargs
         self._resume_epoch: int | None = None
@@ -674,18 +674,6 @@ class PackedDataLoader:
         epochs = range(first + 1, min(int(last), first + ESTIMATE_EPOCHS))
         return max((self.sampler.packs_per_rank_planned(e) for e in epochs), default=0)
 
-    @property
-    def weigh_steps(self) -> bool:
-        """Whether this loader weighs each optimizer step's loss (:mod:`lightning_vlmbalance.loss`):
-        when it knows its trainer and no wrapper does it (see :meth:`weighed_by`)."""
-        return self.trainer is not None and self._weighed_by is None
-
-    def weighed_by(self, wrapper: object) -> None:
-        """Called by a wrapper that groups this loader's packs into optimizer steps and weighs
-        them itself (a :class:`~lightning_vlmbalance.RebalancingLoader`): one
-        component weighs a step, so this loader no longer does (no second sum per step)."""
-        self._weighed_by = wrapper
-
     def _training(self) -> bool:
         return self.trainer is not None and self.trainer.training
 
@@ -701,9 +689,16 @@ class PackedDataLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._pending = True
-        return self._generate()
+        return self._generate(weigh=True)
 
-    def _generate(self) -> Iterator[dict[str, Any]]:
+    def iter_packs(self) -> Iterator[dict[str, Any]]:
+        """This pass's packs neither grouped into optimizer steps nor weighed: for a loader that
+        forms the global batches itself (a :class:`~lightning_vlmbalance.RebalancingLoader`,
+        which the ``"vlmbalance"`` strategies make), so each step is weighed once."""
+        self._pending = True
+        return self._generate(weigh=False)
+
+    def _generate(self, weigh: bool) -> Iterator[dict[str, Any]]:
         # The epoch and the start are read at the first ``next()``, not at ``iter()``: Lightning
         # creates the iterator before it calls ``set_epoch`` for the epoch.
         self._pending = False
@@ -716,7 +711,7 @@ class PackedDataLoader:
             if self._resume_epoch == epoch:
                 start = self._resume_at
             self._resume_epoch = None
-        weighed = self.weigh_steps and self._training()
+        weighed = weigh and self._training()
         # a resume inside an optimizer step (a checkpoint at a mid-epoch validation or on an
         # exception) reads the step from its first pack again: its loss weight counts the
         # tokens of the whole step; the packs trained before the checkpoint are not handed on
@@ -809,26 +804,27 @@ class PackedDataLoader:
         return self._training() and self.trainer.overfit_batches > 0
 
     def _weighted_steps(self, trainer: Any, start: int) -> Iterator[dict[str, Any]]:
-        """The inner batches, one optimizer step read ahead at a time, weighted for the step."""
+        """The inner batches, one optimizer step read ahead at a time, each formed (weighed) by
+        the :class:`~lightning_vlmbalance.loaders.global_batch.GlobalBatchFormer`: one small
+        all-gather of the packs' features per step, on the world group."""
         spec = step_spec(trainer)
-        micro_steps, world = spec.micro_steps, spec.world
+        world = spec.world
+        former = GlobalBatchFormer(
+            micro_steps=spec.micro_steps,
+            world_size=world.size,
+            rank=world.rank,
+            copies=world.copies,
+            gradient_ranks=world.gradient_ranks,
+            gather_device=trainer.strategy.root_device,
+        )
         for step in optimizer_steps(
             self._inner,
-            micro_steps=micro_steps,
+            micro_steps=spec.micro_steps,
             start=lambda: start,
             stop=lambda: trainer.num_training_batches,
         ):
-            local = sum(int(b["loss_tokens"]) for b in step)
-            tokens = torch.tensor([local], dtype=torch.int64, device=trainer.strategy.root_device)
-            if world.world_size > 1:
-                torch.distributed.all_reduce(tokens)  # one small all-reduce per optimizer step
-            # under tensor parallelism every data-parallel rank's packs are on each of its
-            # tensor-parallel peers: the world's sum counts them that many times
-            total = int(tokens) // world.copies
-            weigh_step(
-                step, global_loss_tokens=total, ranks=world.gradient_ranks, micro_steps=micro_steps
-            )
-            yield from step
+            order, _ = former.form(step, former.gather(step))
+            yield from order
 
     @property
     def _iterator(self) -> Any:

@@ -64,14 +64,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.exchange import exchange_packs
+from lightning_vlmbalance.loaders.global_batch import COLUMNS, GlobalBatchFormer, pack_features
 from lightning_vlmbalance.loaders.map_style import check_dataloader_kwargs
-from lightning_vlmbalance.loss import weigh_step
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import PADDING
 from lightning_vlmbalance.packing.stream import WindowState, pack_stream_windows
@@ -435,9 +436,10 @@ class PackedStreamLoader:
         micro_steps: packs per rank per global batch without a trainer (with one: its
             :class:`~lightning_vlmbalance.parallel.StepSpec`'s).
         trainer: the Lightning ``Trainer`` (``self.trainer`` in ``train_dataloader``): the
-            loader then groups its packs into the Trainer's optimizer steps and, unless a
-            wrapper does it (the ``"vlmbalance"`` strategies), weighs each step's loss
-            (:mod:`lightning_vlmbalance.loss`) from the same all-gather.
+            loader then groups its packs into the Trainer's optimizer steps and weighs each
+            step's loss (:mod:`lightning_vlmbalance.loss`) from the same all-gather (under a
+            ``"vlmbalance"`` strategy, its rebalancing forms the steps from
+            :meth:`global_batches`).
         on_bad_sample: ``"skip"`` (count and report) or ``"raise"``: for a record whose
             ``lengths`` or ``transform`` fail.
         overlong: a record longer than ``seq_len``: ``"error"`` (the default, as the map-style
@@ -512,7 +514,7 @@ class PackedStreamLoader:
         self.timeout_s = float(timeout_s)
         self.dataloader_kwargs = dataloader_kwargs
         self.sampler = _EpochSetter()
-        self._weighed_by: object | None = None
+        self._padding_features: list[int] | None = None
         self._group: Any = None
         self.rank = 0
         # progress of the current pass
@@ -567,15 +569,6 @@ class PackedStreamLoader:
         return self._micro_steps
 
     @property
-    def weigh_steps(self) -> bool:
-        """Whether this loader weighs each step's loss (a trainer, and no wrapper that does)."""
-        return self.trainer is not None and self._weighed_by is None
-
-    def weighed_by(self, wrapper: object) -> None:
-        """A wrapper that groups and weighs the steps itself: this loader no longer weighs."""
-        self._weighed_by = wrapper
-
-    @property
     def epoch(self) -> int:
         return self.sampler.epoch
 
@@ -584,6 +577,56 @@ class PackedStreamLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._pending = True
         return self._generate()
+
+    def _generate(self) -> Iterator[dict[str, Any]]:
+        """The packs of the pass, each global batch formed (weighed) by a
+        :class:`~lightning_vlmbalance.loaders.global_batch.GlobalBatchFormer` from the features
+        its ranks agreed on (with a trainer)."""
+        former: GlobalBatchFormer | None = None
+        for packs, features, skip in self._global_batches():
+            if self.trainer is not None:
+                if former is None:
+                    world = data_parallel_world(self.trainer.strategy)
+                    former = GlobalBatchFormer(
+                        micro_steps=self.micro_steps,
+                        world_size=world.size,
+                        rank=world.rank,
+                        gradient_ranks=world.gradient_ranks,
+                    )
+                packs, _ = former.form(packs, features)
+            for i, pack in enumerate(packs):
+                self._count(pack)
+                if i < skip:  # trained before the checkpoint (counted as then)
+                    continue
+                self._delivered += 1
+                yield pack
+
+    def global_batches(self) -> Iterator[tuple[list[dict[str, Any]], np.ndarray, int]]:
+        """The pass's global batches, for a loader that forms them itself (a
+        :class:`~lightning_vlmbalance.RebalancingLoader`, which the ``"vlmbalance"`` strategies
+        make): per optimizer step, this rank's packs (not weighed), every data-parallel rank's
+        pack features as the ranks agreed on them (rank by rank, one row per pack in order:
+        :data:`~lightning_vlmbalance.loaders.global_batch.COLUMNS`; no second collective), and
+        how many of this rank's first packs a resume inside the step trained before."""
+        self._pending = True
+
+        def steps() -> Iterator[tuple[list[dict[str, Any]], np.ndarray, int]]:
+            for packs, features, skip in self._global_batches():
+                for pack in packs:
+                    self._count(pack)
+                self._delivered += len(packs) - skip
+                yield packs, features, skip
+
+        return steps()
+
+    def _count(self, pack: dict[str, Any]) -> None:
+        """A pack handed on: its skipped records reported, the epoch's counters."""
+        meta = pack["meta"]
+        self._report_bad(meta.pop("bad_samples", []))
+        if meta["padding"]:
+            self.padding_packs += 1
+        else:
+            self.packs += 1
 
     def _world(self) -> tuple[int, int, int, int]:
         """(data-parallel ranks, this rank, copies of each, gradient ranks)."""
@@ -600,11 +643,11 @@ class PackedStreamLoader:
             self._group = _loader_group(self.timeout_s)
         return self._group
 
-    def _generate(self) -> Iterator[dict[str, Any]]:
+    def _global_batches(self) -> Iterator[tuple[list[dict[str, Any]], np.ndarray, int]]:
         # the epoch is read at the first ``next()`` (Lightning calls ``set_epoch`` after ``iter``)
         self._pending = False
         epoch = self.epoch
-        size, rank, copies, gradient_ranks = self._world()
+        size, rank, copies, _ = self._world()
         self.rank = rank
         if size > 1 and type(self.source).__module__.startswith("litdata") and not self._warned:
             if getattr(self.source, "drop_last", False):
@@ -675,12 +718,14 @@ class PackedStreamLoader:
             snapshot = hand[0][1] if hand else merged.snapshot()
             snapshot = {**snapshot, "position": next_group[0], "hand": ahead[0]}
             next_group[0] += G
-            # gathered per rank: packs in hand, any read, streams ended, each pack's loss tokens
-            width = 3 + ahead[0]
+            # gathered per rank: packs in hand, any read, streams ended, each pack's features
+            # (the global batch's table: the loss tokens, and what a rebalancing plans from)
+            width = 3 + ahead[0] * len(COLUMNS)
             local = torch.zeros(width, dtype=torch.int64)
             local[0], local[1], local[2] = len(hand), int(merged.any_read), int(ended)
-            for k, (pack, _) in enumerate(hand):
-                local[3 + k] = int(pack["loss_tokens"])
+            if hand:
+                rows = torch.tensor([pack_features(pack) for pack, _ in hand], dtype=torch.int64)
+                local[3 : 3 + rows.numel()] = rows.flatten()
             if group is None:
                 return snapshot, None, local
             gathered = torch.zeros(size * copies * width, dtype=torch.int64)
@@ -722,8 +767,8 @@ class PackedStreamLoader:
             final = bool(table[:, 2].min())
             if lend:
                 used, moves = tail_plan(counts, G, final=final)
-            else:
-                used, moves = [min(c, G) for c in counts], []
+            else:  # one count per data-parallel rank (its tensor-parallel peers read the same)
+                used, moves = [min(c, G) for c in counts[::copies]], []
             ahead[0] = hand_size(G, size, int(table[:, 2].sum()) // copies, lend)
             # this rank's packs of the global batch: its own first, then those its peers hand it
             mine = [hand.popleft()[0] for _ in range(used[rank])]
@@ -735,7 +780,6 @@ class PackedStreamLoader:
             snapshot["padding"], snapshot["packs"] = self.padding_packs, self.packs
             received = self._exchange(moves, lent, rank, own, G, group) if moves else {}
             packs = kept + [received[(src, k)] for src, k, dst in moves if dst == rank]
-            tokens = sum(int(table[r, 3 : 3 + used[r]].sum()) for r in range(len(counts)))
             for pack in packs:
                 if pack["meta"]["sample_ids"]:
                     template = pack["pixel_values"][:0].clone()
@@ -745,20 +789,8 @@ class PackedStreamLoader:
             # stream that ended on every rank ends with a shorter last step, as Lightning's)
             longest = max(trained_counts(used, moves)) if final else G
             packs += [self._padding(template) for _ in range(longest - len(packs))]
-            if self.weigh_steps:
-                total = tokens // copies
-                weigh_step(packs, global_loss_tokens=total, ranks=gradient_ranks, micro_steps=G)
-            for i, pack in enumerate(packs):
-                meta = pack["meta"]
-                self._report_bad(meta.pop("bad_samples", []))
-                if meta["padding"]:
-                    self.padding_packs += 1
-                else:
-                    self.packs += 1
-                if i < offset:  # trained before the checkpoint (counted as then)
-                    continue
-                self._delivered += 1
-                yield pack
+            features = _step_features(table, used, moves, copies, longest, self._padding_row())
+            yield packs, features, offset
             offset = 0
 
     def _check_split(self, packs: list[dict[str, Any]], group: Any, copies: int) -> None:
@@ -856,6 +888,12 @@ class PackedStreamLoader:
                         stacklevel=3,
                     )
 
+    def _padding_row(self) -> list[int]:
+        """A padding pack's features (the same on every rank)."""
+        if self._padding_features is None:
+            self._padding_features = pack_features(self._padding(None))
+        return self._padding_features
+
     def _padding(self, template: torch.Tensor | None) -> dict[str, Any]:
         """A pack without samples (no tokens to learn: weight 0); its empty ``pixel_values``
         shaped like this rank's packs' (``template``)."""
@@ -896,7 +934,7 @@ class PackedStreamLoader:
         return self._start if self._iter_epoch == self.epoch else 0
 
     def _position(self) -> int:
-        if self.trainer is not None and self._weighed_by is None and self._iter_epoch == self.epoch:
+        if self.trainer is not None and self._iter_epoch == self.epoch:
             # where Lightning resumes a checkpoint saved now (it fetches one batch ahead of a
             # loader without a length; at validation or on an exception, that batch was not
             # trained), in every stage of the fit
@@ -1022,6 +1060,28 @@ def tail_plan(
             moves.append((src, index, dst))
             used[src] += 1
     return used, moves
+
+
+def _step_features(
+    table: torch.Tensor,
+    used: list[int],
+    moves: list[tuple[int, int, int]],
+    copies: int,
+    length: int,
+    padding: list[int],
+) -> np.ndarray:
+    """The global batch's feature table from the agreement's (``table``: per process, 3 counts
+    then each pack in hand's :data:`~lightning_vlmbalance.loaders.global_batch.COLUMNS`): every
+    data-parallel rank's trained packs in the order it trains them (its own, then those lent to
+    it, in ``moves`` order, then padding to ``length``), rank by rank."""
+    hands = table[:, 3:].reshape(table.shape[0], -1, len(COLUMNS))[::copies].numpy()
+    rows: list[Any] = []
+    for r in range(len(hands)):
+        own = used[r] - sum(1 for src, _, _ in moves if src == r)
+        mine = [hands[r, k] for k in range(own)]
+        mine += [hands[src, k] for src, k, dst in moves if dst == r]
+        rows += mine + [padding] * (length - len(mine))
+    return np.asarray(rows, dtype=np.int64).reshape(len(hands) * length, len(COLUMNS))
 
 
 def trained_counts(used: list[int], moves: list[tuple[int, int, int]]) -> list[int]:

@@ -99,7 +99,7 @@ def _fail_exchange(rank: int, at: int) -> None:
     """On ``rank``, the n-th exchange raises (as a bug or a lost device would)."""
     import os
 
-    import lightning_vlmbalance.loaders.rebalancing as loader_mod
+    import lightning_vlmbalance.loaders.global_batch as loader_mod
 
     if int(os.environ.get("LOCAL_RANK", "0")) != rank:
         return

@@ -123,7 +123,7 @@ def test_the_wrapper_shows_lightning_the_inner_loaders_sampler_and_nothing_else(
     assert wrapped.sampler is inner.sampler and wrapped.batch_sampler is inner.batch_sampler
     assert wrapped.dataset is ds and wrapped._iterator is None
     wrapped._iterator = None  # Lightning's teardown: reaches the inner loader
-    for name in ("collate_fn", "dataloader_kwargs", "trainer", "weigh_steps", "state_at"):
+    for name in ("collate_fn", "dataloader_kwargs", "trainer", "iter_packs", "state_at"):
         assert hasattr(inner, name) and not hasattr(wrapped, name), name
     plain = RebalancingLoader([], micro_steps=2, world_size=1, rank=0)  # any iterable of packs
     assert plain.sampler is None and plain.dataset is None and plain._iterator is None
@@ -179,7 +179,7 @@ def test_closing_early_joins_the_thread_without_a_stray_collective() -> None:
 def _failing_job(rank: int, world: int) -> str:
     import time
 
-    import lightning_vlmbalance.loaders.rebalancing as loader_mod
+    import lightning_vlmbalance.loaders.global_batch as loader_mod
 
     if rank == 1:
 
@@ -211,7 +211,7 @@ def _abandoned_pass_job(rank: int, world: int) -> dict:
     import threading
     import time
 
-    import lightning_vlmbalance.loaders.rebalancing as loader_mod
+    import lightning_vlmbalance.loaders.global_batch as loader_mod
 
     # the old pass's exchanges take a while, so its thread is inside one when the new pass
     # begins (the new pass's own exchanges need not be slow: its first global batch is where an
@@ -224,9 +224,9 @@ def _abandoned_pass_job(rank: int, world: int) -> dict:
             time.sleep(0.5)
         return exchange(*args, **kwargs)
 
-    def counted(self, batches):
+    def counted(self, *step):
         started_with.append(sum(t.name == "vlmbalance-exchange" for t in threading.enumerate()))
-        return rebalance(self, batches)
+        return rebalance(self, *step)
 
     rebalance = RebalancingLoader._rebalance
     loader_mod.exchange_packs = slow_exchange

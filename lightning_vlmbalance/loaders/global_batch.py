@@ -1,0 +1,432 @@
+"""The global batch: one optimizer step's packs over the data-parallel ranks, formed in one place.
+
+Every loader of this package hands its optimizer steps to a :class:`GlobalBatchFormer`: this
+rank's packs of the step and every rank's pack features (one all-gather, or a table the loader
+agreed on already), in; this rank's packs of the step in the order it computes them, weighed for
+the loss contract (:mod:`lightning_vlmbalance.loss`), out. In between, by the
+:class:`~lightning_vlmbalance.balance.config.RebalanceConfig`'s ``mode``:
+
+* ``"off"`` (what the packed loaders do under any strategy): nothing moves; the loss weights;
+* ``"sync"`` / ``"overlap"``: the pack planner
+  (:func:`~lightning_vlmbalance.balance.planner.plan_rebalance`) places every pack, and only
+  the packs that change rank are exchanged
+  (:func:`~lightning_vlmbalance.balance.exchange.exchange_packs`);
+* ``encoder=True``: every pack stays home, its images are planned over the ranks' vision
+  encoders and their pixels sent where they are encoded
+  (:mod:`~lightning_vlmbalance.balance.encoder`).
+
+The former also holds which cost model plans each global batch
+(:meth:`GlobalBatchFormer.adopt_cost_model`): ranks given the same ``from_batch`` switch at the
+same global batch, whichever thread forms it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lightning_vlmbalance.balance.config import RebalanceConfig
+from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from_meta
+from lightning_vlmbalance.balance.encoder import probe_fields, register_group, route_for
+from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, on_stream
+from lightning_vlmbalance.balance.planner import plan_rebalance
+from lightning_vlmbalance.loss import weigh_step
+from lightning_vlmbalance.packing.collate import cat_padded
+
+__all__ = ["COLUMNS", "GlobalBatchFormer", "image_payload_fields", "pack_features"]
+
+COLUMNS = (*FEATURES, "loss_tokens")  # the columns of a pack's row in a feature table
+LOSS_TOKENS = len(FEATURES)  # the loss tokens' column
+
+
+def pack_features(batch: Any) -> list[int]:
+    """The integers the planner needs from one packed batch: the cost features (in
+    :data:`~lightning_vlmbalance.balance.cost.FEATURES` order), then the loss tokens.
+
+    Raises:
+        ValueError: if the batch is not a ``PackedBatch``-like dict with ``meta`` and
+            ``loss_tokens``, or ``meta`` lacks a feature's key; names what is missing.
+    """
+    if not isinstance(batch, dict) or "meta" not in batch or "loss_tokens" not in batch:
+        have = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ValueError(
+            "rebalancing needs packed batches (a dict with 'meta' and 'loss_tokens', as"
+            f" PackCollator builds them); got {have}"
+        )
+    features = features_from_meta(batch["meta"])
+    return [features[name] for name in FEATURES] + [int(batch["loss_tokens"])]
+
+
+class GlobalBatchFormer:
+    """Forms each global batch of one loader's pass (see the module docstring).
+
+    Args:
+        micro_steps: micro-batches per rank per optimizer step (Lightning's divisor of the loss:
+            a step cut short at the epoch's end is weighed with it all the same).
+        world_size: data-parallel ranks; ``rank``: this rank among them.
+        group: the process group of the gather and the exchange (``None``: the world group).
+        copies: processes of ``group`` per data-parallel rank (its tensor-parallel peers, which
+            compute the same packs; consecutive in the group): the gather keeps one row each.
+        gradient_ranks: ranks the strategy averages gradients over (default ``world_size``).
+        gather_device: where the gathered features travel (the device of ``group``'s backend;
+            default the CPU).
+        config: mode, objective, tolerance, exchange timeout, encoder balancing (default
+            ``RebalanceConfig(mode="off")``: only the weights).
+        cost_model: the cost model planning from the first global batch (default
+            :class:`CostModel`).
+        payload_group, device, group_ranks, encoder_group: see
+            :class:`~lightning_vlmbalance.RebalancingLoader`.
+    """
+
+    def __init__(
+        self,
+        *,
+        micro_steps: int,
+        world_size: int,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        copies: int = 1,
+        gradient_ranks: int | None = None,
+        gather_device: torch.device | str | None = None,
+        config: RebalanceConfig | None = None,
+        cost_model: CostModel | None = None,
+        payload_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        group_ranks: Sequence[int] | None = None,
+        encoder_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.micro_steps = int(micro_steps)
+        self.world_size = int(world_size)
+        self.rank = int(rank)
+        self.group = group
+        self.copies = int(copies)
+        self.gradient_ranks = self.world_size if gradient_ranks is None else int(gradient_ranks)
+        self.gather_device = torch.device("cpu" if gather_device is None else gather_device)
+        self.config = config if config is not None else RebalanceConfig(mode="off")
+        self.group_ranks = list(group_ranks) if group_ranks is not None else None
+        self.payload_group = payload_group
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._stream: Any = None  # the side CUDA stream of the exchange (created on first use)
+        self.ready_events: dict[int, Any] = {}  # id(batch) -> CUDA event, until it is used
+        # the cost model schedule: the model in use, and the next one from an agreed batch on
+        self.cost_model = cost_model or CostModel()
+        self._model_lock = threading.Lock()
+        self._next_model: tuple[CostModel, int] | None = None
+        self._planned = 0  # global batches formed so far, every pass
+        self._encoder_group_name = f"global-batch-{id(self)}"
+        if self.config.encoder:
+            register_group(self._encoder_group_name, encoder_group)
+
+    # -- which cost model plans a global batch ----------------------------------------------
+
+    def adopt_cost_model(self, model: CostModel, from_batch: int) -> None:
+        """Plans with ``model`` from the ``from_batch``-th global batch formed (counted from 0,
+        across passes). Every rank forms the same sequence of global batches, so ranks given the
+        same ``from_batch`` switch at the same one, whichever thread forms it and how far ahead."""
+        with self._model_lock:
+            self._next_model = (model, int(from_batch))
+
+    def model_for_next_batch(self) -> CostModel:
+        with self._model_lock:
+            index, self._planned = self._planned, self._planned + 1
+            if self._next_model is not None and index >= self._next_model[1]:
+                self.cost_model, self._next_model = self._next_model[0], None
+            return self.cost_model
+
+    @property
+    def planned_batches(self) -> int:
+        """Global batches formed so far (the index the next one gets)."""
+        return self._planned
+
+    # -- one global batch -------------------------------------------------------------------
+
+    def gather(self, batches: list[Any]) -> np.ndarray:
+        """Every rank's pack features of one global batch: one all-gather on ``group`` of this
+        rank's rows (:func:`pack_features`); ``(world_size * len(batches), len(COLUMNS))``,
+        rank by rank. Every rank must hold as many packs."""
+        local = torch.tensor([pack_features(b) for b in batches], dtype=torch.int64)
+        processes = self.world_size * self.copies
+        if processes == 1:
+            return local.numpy()
+        local = local.to(self.gather_device)
+        gathered = [torch.empty_like(local) for _ in range(processes)]
+        try:
+            dist.all_gather(gathered, local, group=self.group)
+        except RuntimeError as err:  # a dead or stuck peer (the group has the deadline)
+            raise ExchangeError(
+                f"rank {self.rank}: gathering the pack features of a global batch failed (a peer"
+                f" died or stopped?): {err}"
+            ) from err
+        # a tensor-parallel rank's peers hold the same packs: one row each
+        rows = torch.stack(gathered[:: self.copies]).cpu()
+        return rows.reshape(self.world_size * len(batches), -1).numpy()
+
+    def form(self, batches: list[Any], features: np.ndarray) -> tuple[list[Any], dict[str, float]]:
+        """This rank's packs of one global batch in the order it computes them, weighed, and the
+        statistics of the forming (``balance/*``). ``features``: :meth:`gather`'s table (or one
+        the loader agreed on: the same rows in the same order)."""
+        cost_model = self.model_for_next_batch()
+        global_tokens = int(features[:, LOSS_TOKENS].sum())
+        stats: dict[str, float] = {"moved_packs": 0.0, "exchange_ms": 0.0}
+        if self.config.encoder and self.world_size > 1:
+            order, more = self._balance_encoder(batches, features, cost_model)
+            stats.update(more)
+        elif self.config.mode == "off" or self.world_size == 1:
+            order = list(batches)
+        else:
+            order = self._place(batches, features, cost_model, stats)
+        weigh_step(
+            order,
+            global_loss_tokens=global_tokens,
+            ranks=self.gradient_ranks,
+            micro_steps=self.micro_steps,
+        )
+        return order, stats
+
+    def _place(
+        self, batches: list[Any], features: np.ndarray, cost_model: CostModel, stats: dict
+    ) -> list[Any]:
+        """The pack exchange: plans where every pack of the global batch is computed, sends and
+        receives the packs that move, and returns this rank's in micro-step order."""
+        G, W, r = len(batches), self.world_size, self.rank
+        cost = cost_model.pack_cost_us({name: features[:, i] for i, name in enumerate(FEATURES)})
+        origin = np.repeat(np.arange(W, dtype=np.int64), G)
+        plan = plan_rebalance(
+            cost, origin, W, G, objective=self.config.objective, tolerance=self.config.tolerance
+        )
+        mine = {r * G + m: b for m, b in enumerate(batches)}
+        events: dict[int, Any] = {}
+        self._side_stream()
+        start = time.perf_counter()
+        moves = [tuple(int(x) for x in mv) for mv in plan.moves]
+        received = self._exchange(mine, moves, ready_events=events)
+        for p, event in events.items():  # keyed by the batch object the loop will get
+            self.ready_events[id(received[p])] = event
+        stats["exchange_ms"] = (time.perf_counter() - start) * 1e3
+        stats["received_bytes"] = float(sum(_nbytes(pack) for pack in received.values()))
+        stats["moved_packs"] = float(plan.moved_packs)
+        stats["planned_waste_frac"] = plan.waste_after
+        stats["baseline_waste_frac"] = plan.waste_before
+        stats["planned_value"] = float(plan.value)  # predicted step cost (cost units)
+        stats["baseline_value"] = float(plan.baseline_value)
+        return [mine[p] if p in mine else received[p] for p in plan.assignment[r, :, 0].tolist()]
+
+    def _balance_encoder(
+        self, batches: list[Any], features: np.ndarray, cost_model: CostModel
+    ) -> tuple[list[Any], dict[str, float]]:
+        """Encoder balancing of one global batch (``RebalanceConfig(encoder=True)``): every
+        pack stays on its rank; in ``"overlap"`` / ``"sync"`` mode each rank's packs are
+        re-ordered over the micro-steps so that every micro-step carries about the same vision
+        work (:func:`~lightning_vlmbalance.balance.images.order_micro_steps`); then, micro-step
+        by micro-step, the images are planned to ranks, the pixels are sent where they are
+        encoded, and each batch is given its ``encoder_route`` and ``encoder_fields`` (see
+        :mod:`~lightning_vlmbalance.balance.encoder`). Returns this rank's batches in order and
+        the statistics."""
+        # numba's import (about 0.1 s) only in the processes that balance images
+        from lightning_vlmbalance.balance.images import order_micro_steps, plan_images
+
+        W, G, r = self.world_size, len(batches), self.rank
+        start = time.perf_counter()
+        sizes = self._gather_image_sizes(batches, features)  # (W * G, K), rows per image
+        counts = features[:, FEATURES.index("images")]
+        present = np.arange(sizes.shape[1])[None, :] < counts[:, None]
+        image_ms, per_call = cost_model.image_cost_ms(sizes)
+        image_ms = np.where(present, image_ms, 0.0)
+        llm_ms = cost_model.llm_cost_ms({n: features[:, i] for i, n in enumerate(FEATURES)})
+        placed = np.arange(W * G, dtype=np.int64).reshape(W, G)  # global pack: rank * G + m
+        if self.config.mode != "off":
+            steps = order_micro_steps(image_ms.sum(axis=1)[placed])
+            placed = np.take_along_axis(placed, steps, axis=1)
+        order = [batches[int(p) - r * G] for p in placed[r]]
+        K = sizes.shape[1]
+        mine: dict[int, Any] = {}
+        moves: list[tuple[int, int, int]] = []
+        foreign: list[list[int]] = []  # per micro-step: the keys of the images received
+        moved = 0
+        spent = ideal = spent_home = 0.0  # the plan's predicted step, as the ranks meet
+        for m in range(G):
+            packs = placed[:, m]
+            home = np.repeat(np.arange(W), counts[packs])
+            index = np.concatenate([np.arange(counts[p]) for p in packs]).astype(np.int64)
+            rows = np.concatenate([sizes[p, : counts[p]] for p in packs]).astype(np.int64)
+            plan = plan_images(np.full(W, per_call), image_ms[packs][present[packs]], home)
+            moved += plan.moved_images
+            language = llm_ms[packs]
+            spent += float(language.max() + plan.load.max())
+            spent_home += float(language.max() + plan.load_home.max())
+            ideal += float(language.mean() + plan.load.mean())
+            own = home == r
+            batch = order[m]
+            fields = image_payload_fields(batch)
+            batch["encoder_route"] = route_for(
+                group=self._encoder_group_name,
+                rank=r,
+                world=W,
+                own_sizes=rows[own].tolist(),
+                own_encoder=plan.encoder[own].tolist(),
+                foreign=[
+                    (int(h), int(n))
+                    for h, n, e in zip(home, rows, plan.encoder)
+                    if e == r and h != r
+                ],
+                moved_any=bool((plan.encoder != home).any()),
+            )
+            # what the encoder must still see: preprocessing of the batch is refused there
+            batch["encoder_route"].probe = probe_fields(fields)
+            keys = []
+            for h, i, e in zip(home, index, plan.encoder):
+                if e == h:
+                    continue
+                key = (m * W + int(h)) * K + int(i)
+                moves.append((key, int(h), int(e)))
+                if h == r:
+                    mine[key] = {name: t[a[i] : a[i + 1]] for name, (t, a) in fields.items()}
+                elif e == r:
+                    keys.append(key)
+            foreign.append(keys)
+        planned_ms = (time.perf_counter() - start) * 1e3
+        events: dict[int, Any] = {}
+        stream = self._side_stream()
+        received = self._exchange(mine, moves, ready_events=events)
+        received_bytes = 0
+        for m, keys in enumerate(foreign):
+            got = [received[k] for k in keys]
+            received_bytes += sum(_nbytes(g) for g in got)
+            with on_stream(self.device, stream):
+                # on CUDA: the images are joined on the exchange's side stream, after their own
+                # transfers, and the micro-step's batch waits for that (its own event)
+                if stream is not None:
+                    for k in keys:
+                        stream.wait_event(events[k])
+                fields = _received_fields(got, image_payload_fields(order[m]))
+                if stream is not None and keys:
+                    self.ready_events[id(order[m])] = stream.record_event()
+            order[m]["encoder_fields"], order[m]["encoder_field_rows"] = fields
+        return order, {
+            "encoder_moved_images": float(moved),
+            "encoder_bytes": float(received_bytes),  # this rank's; no collective
+            "encoder_received_images": float(sum(len(keys) for keys in foreign)),  # this rank's
+            "encoder_plan_ms": planned_ms,
+            "exchange_ms": (time.perf_counter() - start) * 1e3 - planned_ms,
+            "planned_waste_frac": 1.0 - ideal / spent if spent > 0 else 0.0,
+            "baseline_waste_frac": 1.0 - ideal / spent_home if spent_home > 0 else 0.0,
+        }
+
+    def _side_stream(self) -> Any:
+        """The exchange's side CUDA stream (created on first use), or ``None`` on the CPU."""
+        if self.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def _exchange(
+        self,
+        payloads: dict[int, Any],
+        moves: list[tuple[int, int, int]],
+        ready_events: dict[int, Any] | None = None,
+    ) -> dict[int, Any]:
+        """:func:`exchange_packs` of ``moves`` (ranks of ``group``) on this loader's groups,
+        device and stream."""
+        g = self.group_ranks
+        if g is not None:  # point-to-point messages name global ranks
+            moves = [(p, g[src], g[dst]) for p, src, dst in moves]
+        return exchange_packs(
+            payloads,
+            moves,
+            rank=self.rank if g is None else g[self.rank],
+            group=self.group,
+            timeout_s=self.config.exchange_timeout_s,
+            payload_group=self.payload_group,
+            device=self.device,
+            stream=self._stream,
+            ready_events=ready_events,
+        )
+
+    def _gather_image_sizes(self, batches: list[Any], features: np.ndarray) -> np.ndarray:
+        """Every pack's image sizes (rows per image), ``(W * G, K)`` zero-padded, ``K`` the most
+        images in a pack of the global batch (known from the gathered features)."""
+        K = max(1, int(features[:, FEATURES.index("images")].max()))
+        local = torch.zeros((len(batches), K), dtype=torch.int64)
+        for k, b in enumerate(batches):
+            sizes = [int(x) for x in b["meta"]["image_sizes"]]
+            local[k, : len(sizes)] = torch.tensor(sizes, dtype=torch.int64)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(gathered, local, group=self.group)
+        except RuntimeError as err:
+            raise ExchangeError(
+                f"rank {self.rank}: gathering the image sizes of a global batch failed (a peer"
+                f" died or stopped?): {err}"
+            ) from err
+        return torch.cat(gathered).numpy()
+
+
+def image_payload_fields(batch: dict[str, Any]) -> dict[str, tuple[torch.Tensor, np.ndarray]]:
+    """The per-image tensors of a pack that travel with an image encoded on another rank, as
+    ``{name: (tensor, starts)}``: image ``i`` is ``tensor[starts[i] : starts[i + 1]]``.
+
+    A pack of pixel rows (``pixel_values`` with ``image_cu_seqlens``) moves those rows. A pack
+    whose images are in ``image_fields`` (the Hugging Face families) moves every field, split by
+    ``image_field_rows`` (``{name: rows of each image}``, set by the collator that knows the
+    layout).
+
+    Raises:
+        ValueError: for an image field without its rows per image, named (it would stay with
+            the pack while its image is encoded elsewhere), or rows that do not add up.
+    """
+    fields = batch.get("image_fields") or {}
+    if not fields:
+        if "pixel_values" not in batch:  # a text-only pack of a layout without pixel rows
+            return {}
+        pixels = batch["pixel_values"]
+        return {"pixel_values": (pixels, np.asarray(batch["image_cu_seqlens"].tolist()))}
+    rows = batch.get("image_field_rows") or {}
+    unknown = sorted(set(fields) - set(rows))
+    if unknown:
+        raise ValueError(
+            f"encoder balancing moves each image with its per-image fields; the batch has"
+            f" image fields {unknown} without their rows per image in `image_field_rows`"
+            f" (known: {sorted(rows)}), so it cannot tell which rows belong to which image"
+        )
+    out = {}
+    for name, tensor in fields.items():
+        starts = np.concatenate([[0], np.cumsum(np.asarray(rows[name], dtype=np.int64))])
+        if starts[-1] != tensor.shape[0]:
+            raise ValueError(
+                f"image field {name!r} has {tensor.shape[0]} rows but `image_field_rows` gives"
+                f" {int(starts[-1])}"
+            )
+        out[name] = (tensor, starts)
+    return out
+
+
+def _received_fields(
+    got: list[dict[str, torch.Tensor]], own: dict[str, tuple[torch.Tensor, np.ndarray]]
+) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """The images received for one micro-step, field by field (``cat_padded``: whole images of
+    different tile counts are zero-padded to the largest), with the rows of each."""
+    names = list(got[0]) if got else list(own)
+    fields = {}
+    for name in names:
+        if got:
+            fields[name] = cat_padded([g[name] for g in got], name)
+        else:  # nothing received: an empty field like this rank's own (if it has one)
+            t = own[name][0]
+            fields[name] = t.new_empty((0, *t.shape[1:]))
+    return fields, {name: [int(g[name].shape[0]) for g in got] for name in names}
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a pack (nested dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(v) for v in obj)
+    return 0
