@@ -119,12 +119,16 @@ class ReadAheadLoader(vb.PackedDataLoader):
         super().__init__(*args, **kwargs)
         self.read_ahead = read_ahead
 
+    def iter_packs(self) -> Iterator[dict[str, Any]]:
+        # what the "vlmbalance" strategy's rebalancing reads (unweighed: no collective per step)
+        inner = super().iter_packs()
+        return self._ahead(inner) if self.read_ahead > 0 else inner
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        # plain "ddp" iterates the loader itself, which (given its trainer) weighs each step
+        # with a collective that must stay on the training thread: that reads in line
         inner = super().__iter__()
-        # a loader that weighs its steps itself all-reduces per step (plain "ddp"): that
-        # collective must stay on the training thread, so it reads in line
-        ahead = self.read_ahead > 0 and not self.weigh_steps
-        return self._ahead(inner) if ahead else inner
+        return self._ahead(inner) if self.read_ahead > 0 and self.trainer is None else inner
 
     def _ahead(self, inner: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         end = object()

@@ -104,6 +104,10 @@ def test_the_read_ahead_loader_yields_the_packs_of_the_plain_loader_read_in_a_th
     assert [b["meta"]["sample_ids"] for b in ahead] == plain and len(plain) > 3
     assert readers[0] == threading.main_thread().name
     assert set(readers[1:]) == {"main-job-read-ahead"}
+    readers.clear()  # what a "vlmbalance" strategy's rebalancing reads: the same, read ahead
+    assert [b["meta"]["sample_ids"] for b in ahead.iter_packs()] == plain
+    assert readers[0] == threading.main_thread().name
+    assert set(readers[1:]) == {"main-job-read-ahead"}
     for k, _ in enumerate(ahead):  # stopped early: the thread is joined, none is left behind
         if k == 1:
             break
