@@ -62,6 +62,7 @@ import numbers
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -644,40 +645,19 @@ class PackedStreamLoader:
         return self._group
 
     def _global_batches(self) -> Iterator[tuple[list[dict[str, Any]], np.ndarray, int]]:
+        """The pass's global batches: this rank's packs of each (padding included), every
+        data-parallel rank's pack features, and the packs a resume inside the first one trained
+        before (see :meth:`global_batches`)."""
         # the epoch is read at the first ``next()`` (Lightning calls ``set_epoch`` after ``iter``)
         self._pending = False
         epoch = self.epoch
         size, rank, copies, _ = self._world()
         self.rank = rank
-        if size > 1 and type(self.source).__module__.startswith("litdata") and not self._warned:
-            if getattr(self.source, "drop_last", False):
-                self._warned = True
-                warnings.warn(
-                    "PackedStreamLoader: LitData's `StreamingDataset` drops the last records"
-                    " of the epoch so every rank reads as many (`drop_last=True`, its default"
-                    " under several ranks): they are never trained. This loader ends the ranks"
-                    " together itself: pass `StreamingDataset(..., drop_last=False)`",
-                    stacklevel=3,
-                )
-        state = self._fresh_state()
-        offset = 0
-        if self._resume is not None:
-            saved, self._resume = self._own_state(self._resume), None
-            if saved["epoch"] == epoch and saved.get("finished"):
-                self._iter_epoch, self._start, self._delivered = epoch, saved["position"], 0
-                return  # the checkpoint's epoch was trained to its end
-            if saved["epoch"] == epoch and "group" in saved:
-                self._check_same_shards(saved, size)
-                state, offset = copy.deepcopy(saved["group"]), int(saved["offset"])
-        if state["position"] == 0:
-            self.bad_samples, self.padding_packs, self.packs, self.left_over = [], 0, 0, 0
-            self.lent_packs = 0
-        else:
-            self.bad_samples = list(state["bad_samples"])
-            self.padding_packs, self.packs = int(state["padding"]), int(state["packs"])
-            self.lent_packs = int(state.get("lent", 0))
-        self._iter_epoch, self._start, self._delivered = epoch, state["position"] + offset, 0
-        self._groups.clear()
+        self._warn_litdata_drop_last(size)
+        restored = self._restore_pass(epoch, size)
+        if restored is None:
+            return  # the checkpoint's epoch was trained to its end
+        state, offset = restored
         G = self.micro_steps
         group = self._collective_group() if size > 1 else None
         resume = {int(s): v for s, v in state["streams"].items()}
@@ -693,59 +673,13 @@ class PackedStreamLoader:
             # the earlier fits (a finalizer run in a child without the parent's threads)
             gc.collect()
         merged = _RoundRobin(iter(inner), state, self.streams)
+        agreement = _Agreement(merged, state, G, size, rank, copies, group)
         template: torch.Tensor | None = None  # an empty pixel_values shaped like this rank's
         first = state["position"] == 0
-        next_group = [int(state["position"])]  # epoch position of the next global batch
-        # packs read from this rank's streams and not trained yet, each with the merge's state
-        # before it was read (a checkpoint resumes the streams there): this rank's share and
-        # what it can hand to peers whose streams ended (the tail of the epoch); tensor
-        # parallel peers read the same packs: they pad, they never hand packs around
-        lend = copies == 1
-        hand: deque[tuple[dict[str, Any], dict[str, Any]]] = deque()
-        # packs a rank reads ahead for the next global batch: every rank computes it from the
-        # same agreement (the width of the next one), a resume from its checkpoint
-        ahead = [int(state.get("hand", hand_size(G, size, 0, lend)))]
-
-        def take() -> tuple[dict[str, Any], Any, torch.Tensor]:
-            ended = False
-            while len(hand) < ahead[0]:
-                before = merged.snapshot()
-                pack = next(merged, None)
-                if pack is None:
-                    ended = True
-                    break
-                hand.append((pack, before))
-            snapshot = hand[0][1] if hand else merged.snapshot()
-            snapshot = {**snapshot, "position": next_group[0], "hand": ahead[0]}
-            next_group[0] += G
-            # gathered per rank: packs in hand, any read, streams ended, each pack's features
-            # (the global batch's table: the loss tokens, and what a rebalancing plans from)
-            width = 3 + ahead[0] * len(COLUMNS)
-            local = torch.zeros(width, dtype=torch.int64)
-            local[0], local[1], local[2] = len(hand), int(merged.any_read), int(ended)
-            if hand:
-                rows = torch.tensor([pack_features(pack) for pack, _ in hand], dtype=torch.int64)
-                local[3 : 3 + rows.numel()] = rows.flatten()
-            if group is None:
-                return snapshot, None, local
-            gathered = torch.zeros(size * copies * width, dtype=torch.int64)
-            work = dist.all_gather_into_tensor(gathered, local, group=group, async_op=True)
-            return snapshot, work, gathered
-
-        current = take()
+        current = agreement.take()
         while True:
-            snapshot, work, gathered = current
-            if work is not None:
-                try:
-                    work.wait()
-                except RuntimeError as err:
-                    raise RuntimeError(
-                        f"PackedStreamLoader: rank {rank} could not agree on the next global"
-                        f" batch with its peers (a peer stopped or failed?): {err}"
-                    ) from err
-            table = gathered.view(size * copies, -1)
-            counts = table[:, 0].tolist()
-            if sum(counts) == 0:  # no rank has a pack: the epoch ends everywhere
+            snapshot, table = agreement.wait(current)
+            if not agreement.any_pack(table):  # no rank has a pack: the epoch ends everywhere
                 self._report_bad(merged.leftover_bad)
                 if first:
                     warnings.warn(
@@ -757,41 +691,67 @@ class PackedStreamLoader:
                 self._finish(epoch)
                 return
             if first and int(table[:, 1].min()) == 0:
-                self._empty_rank(epoch, table[:, 1], [p for p, _ in hand], copies)
+                self._empty_rank(epoch, table[:, 1], agreement.in_hand(), copies)
                 return
             if first:
-                self._check_split([p for p, _ in hand], group, copies)
+                self._check_split(agreement.in_hand(), group, copies)
             first = False
-            # until every rank's streams have ended, a global batch is G micro-steps on every
-            # rank (Lightning steps the optimizer every G): lent packs, then padding
-            final = bool(table[:, 2].min())
-            if lend:
-                used, moves = tail_plan(counts, G, final=final)
-            else:  # one count per data-parallel rank (its tensor-parallel peers read the same)
-                used, moves = [min(c, G) for c in counts[::copies]], []
-            ahead[0] = hand_size(G, size, int(table[:, 2].sum()) // copies, lend)
-            # this rank's packs of the global batch: its own first, then those its peers hand it
-            mine = [hand.popleft()[0] for _ in range(used[rank])]
-            own = used[rank] - sum(1 for src, _, _ in moves if src == rank)
-            kept, lent = mine[:own], mine[own:]
+            step = agreement.settle(table)
             # the counters as they stood before this global batch (a resume into it repeats it)
             snapshot["lent"] = self.lent_packs
             snapshot["bad_samples"] = list(self.bad_samples)
             snapshot["padding"], snapshot["packs"] = self.padding_packs, self.packs
-            received = self._exchange(moves, lent, rank, own, G, group) if moves else {}
-            packs = kept + [received[(src, k)] for src, k, dst in moves if dst == rank]
+            received = self._exchange(step.moves, step.lent, rank, step.own, G, group)
+            packs = step.kept + [received[(src, k)] for src, k, dst in step.moves if dst == rank]
             for pack in packs:
                 if pack["meta"]["sample_ids"]:
                     template = pack["pixel_values"][:0].clone()
-            current = take()  # the next global batch's agreement runs while this one trains
+            current = agreement.take()  # the next global batch's agreement runs meanwhile
             self._groups.append((snapshot["position"], snapshot))
             # a rank short of packs pads to the longest share (the ranks step together; a
             # stream that ended on every rank ends with a shorter last step, as Lightning's)
-            longest = max(trained_counts(used, moves)) if final else G
-            packs += [self._padding(template) for _ in range(longest - len(packs))]
-            features = _step_features(table, used, moves, copies, longest, self._padding_row())
+            packs += [self._padding(template) for _ in range(step.length - len(packs))]
+            features = _step_features(
+                table, step.used, step.moves, copies, step.length, self._padding_row()
+            )
             yield packs, features, offset
             offset = 0
+
+    def _warn_litdata_drop_last(self, size: int) -> None:
+        if size > 1 and type(self.source).__module__.startswith("litdata") and not self._warned:
+            if getattr(self.source, "drop_last", False):
+                self._warned = True
+                warnings.warn(
+                    "PackedStreamLoader: LitData's `StreamingDataset` drops the last records"
+                    " of the epoch so every rank reads as many (`drop_last=True`, its default"
+                    " under several ranks): they are never trained. This loader ends the ranks"
+                    " together itself: pass `StreamingDataset(..., drop_last=False)`",
+                    stacklevel=4,
+                )
+
+    def _restore_pass(self, epoch: int, size: int) -> tuple[dict[str, Any], int] | None:
+        """Where the pass starts: the restored state's global batch and the packs of it trained
+        before the checkpoint, or the epoch's start (``None``: the restored epoch was trained to
+        its end). Sets the epoch's counters as they stood there."""
+        state, offset = self._fresh_state(), 0
+        if self._resume is not None:
+            saved, self._resume = self._own_state(self._resume), None
+            if saved["epoch"] == epoch and saved.get("finished"):
+                self._iter_epoch, self._start, self._delivered = epoch, saved["position"], 0
+                return None
+            if saved["epoch"] == epoch and "group" in saved:
+                self._check_same_shards(saved, size)
+                state, offset = copy.deepcopy(saved["group"]), int(saved["offset"])
+        if state["position"] == 0:
+            self.bad_samples, self.padding_packs, self.packs, self.left_over = [], 0, 0, 0
+            self.lent_packs = 0
+        else:
+            self.bad_samples = list(state["bad_samples"])
+            self.padding_packs, self.packs = int(state["padding"]), int(state["packs"])
+            self.lent_packs = int(state.get("lent", 0))
+        self._iter_epoch, self._start, self._delivered = epoch, state["position"] + offset, 0
+        self._groups.clear()
+        return state, offset
 
     def _check_split(self, packs: list[dict[str, Any]], group: Any, copies: int) -> None:
         """Warns, naming a record, where the first packs of two streams (workers) or of two
@@ -843,6 +803,8 @@ class PackedStreamLoader:
     ) -> dict[tuple[int, int], dict[str, Any]]:
         """Hands this rank's ``lent`` packs to the peers the tail plan names and receives its
         own (point to point on the loader's group); keys ``(source rank, index in its hand)``."""
+        if not moves:
+            return {}
         ids = {(src, k): src * 2 * G + k for src, k, _ in moves}
         outgoing = {ids[(src, k)]: lent[k - own] for src, k, _ in moves if src == rank}
         received = exchange_packs(
@@ -1019,6 +981,110 @@ class PackedStreamLoader:
 
 
 _MAX_SHARES = 8  # a rank reads ahead at most this many global batches' shares (memory)
+
+
+@dataclass
+class _Share:
+    """This rank's part of one agreed global batch (:meth:`_Agreement.settle`)."""
+
+    used: list[int]  # packs each data-parallel rank's hand gives (kept and lent)
+    moves: list[tuple[int, int, int]]  # (source rank, index in its hand, destination rank)
+    kept: list[dict[str, Any]]  # this rank's own packs it trains
+    lent: list[dict[str, Any]]  # this rank's packs a peer trains
+    own: int  # len(kept)
+    length: int  # micro-steps of the global batch on every rank (padding included)
+
+
+class _Agreement:
+    """The ranks' agreement on each global batch of a stream: every rank reads packs ahead into
+    its *hand* (each with the merge's state before it was read: a checkpoint resumes the streams
+    there), and one all-gather per global batch (issued a global batch ahead, so it runs while
+    the previous one trains) tells every rank each rank's packs in hand, whether it read any,
+    whether its streams ended, and each pack's features.
+
+    Until every rank's streams have ended, a global batch is ``G`` micro-steps on every rank
+    (Lightning steps the optimizer every ``G``): packs lent by ranks with more (the tail plan),
+    then padding. Tensor-parallel peers (``copies``) read the same packs: they pad, they never
+    lend."""
+
+    def __init__(
+        self, merged: _RoundRobin, state: dict[str, Any], G: int, size: int, rank: int,
+        copies: int, group: Any,
+    ) -> None:  # fmt: skip
+        self.merged, self.G, self.size, self.rank = merged, G, size, rank
+        self.copies, self.group = copies, group
+        self.lend = copies == 1
+        self.hand: deque[tuple[dict[str, Any], dict[str, Any]]] = deque()
+        self.position = int(state["position"])  # epoch position of the next global batch
+        # packs a rank reads ahead for the next global batch: every rank computes it from the
+        # same agreement (the width of the next one), a resume from its checkpoint
+        self.ahead = int(state.get("hand", hand_size(G, size, 0, self.lend)))
+
+    def take(self) -> tuple[dict[str, Any], Any, torch.Tensor]:
+        """Reads the hand full and starts the next global batch's all-gather: ``(the state that
+        resumes at that global batch, the pending work or None, the gathered tensor)``."""
+        ended = False
+        while len(self.hand) < self.ahead:
+            before = self.merged.snapshot()
+            pack = next(self.merged, None)
+            if pack is None:
+                ended = True
+                break
+            self.hand.append((pack, before))
+        snapshot = self.hand[0][1] if self.hand else self.merged.snapshot()
+        snapshot = {**snapshot, "position": self.position, "hand": self.ahead}
+        self.position += self.G
+        # gathered per rank: packs in hand, any read, streams ended, each pack's features
+        # (the global batch's table: the loss tokens, and what a rebalancing plans from)
+        width = 3 + self.ahead * len(COLUMNS)
+        local = torch.zeros(width, dtype=torch.int64)
+        local[0], local[1], local[2] = len(self.hand), int(self.merged.any_read), int(ended)
+        if self.hand:
+            rows = torch.tensor([pack_features(p) for p, _ in self.hand], dtype=torch.int64)
+            local[3 : 3 + rows.numel()] = rows.flatten()
+        if self.group is None:
+            return snapshot, None, local
+        gathered = torch.zeros(self.size * self.copies * width, dtype=torch.int64)
+        work = dist.all_gather_into_tensor(gathered, local, group=self.group, async_op=True)
+        return snapshot, work, gathered
+
+    def wait(self, taken: tuple[dict[str, Any], Any, torch.Tensor]) -> tuple[dict, torch.Tensor]:
+        """The state and the agreed table (one row per process) of a :meth:`take`."""
+        snapshot, work, gathered = taken
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"PackedStreamLoader: rank {self.rank} could not agree on the next global"
+                    f" batch with its peers (a peer stopped or failed?): {err}"
+                ) from err
+        return snapshot, gathered.view(self.size * self.copies, -1)
+
+    @staticmethod
+    def any_pack(table: torch.Tensor) -> bool:
+        return int(table[:, 0].sum()) > 0
+
+    def in_hand(self) -> list[dict[str, Any]]:
+        return [pack for pack, _ in self.hand]
+
+    def settle(self, table: torch.Tensor) -> _Share:
+        """The global batch the table agrees on: which packs of each hand it trains and which
+        change rank; this rank's packs leave its hand."""
+        G, counts = self.G, table[:, 0].tolist()
+        final = bool(table[:, 2].min())
+        if self.lend:
+            used, moves = tail_plan(counts, G, final=final)
+        else:  # one count per data-parallel rank (its tensor-parallel peers read the same)
+            used, moves = [min(c, G) for c in counts[:: self.copies]], []
+        ended = int(table[:, 2].sum()) // self.copies
+        self.ahead = hand_size(G, self.size, ended, self.lend)
+        # this rank's packs of the global batch: its own first, then those its peers hand it
+        mine = [self.hand.popleft()[0] for _ in range(used[self.rank])]
+        own = used[self.rank] - sum(1 for src, _, _ in moves if src == self.rank)
+        # a stream that ended on every rank ends with a shorter last step, as Lightning's
+        length = max(trained_counts(used, moves)) if final else G
+        return _Share(used, moves, mine[:own], mine[own:], own, length)
 
 
 def hand_size(G: int, ranks: int, ended: int, lend: bool = True) -> int:
