@@ -394,6 +394,10 @@ def _pair(run: str, baseline: str) -> Any:
         marks.append(pytest.mark.suite)
     if run == "overlap_ga3_preprocess":  # the CI's 20 minutes: the refusal runs in CI
         marks.append(pytest.mark.suite)
+    # the CI's 20 minutes: overlap_ga1_unused covers accumulation 1, and overlap_ga3 the encoder
+    # balancing that overlap_ga3_compiled compiles
+    if run in ("overlap_ga1", "overlap_ga3_compiled"):
+        marks.append(pytest.mark.suite)
     return pytest.param(run, baseline, marks=marks, id=run)
 
 

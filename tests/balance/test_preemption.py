@@ -170,8 +170,9 @@ def trials(request, tmp_path_factory) -> dict:
 
 
 # in `pytest -m suite` since the test job had to fit in 20 minutes: the agreed stop in the modes
-# that share overlap's path (sync runs its code in line; off plans nothing)
-SUITE_CASES = {"sync-both", "off-both"}
+# that share overlap's path (sync runs its code in line; off plans nothing), and overlap-group and
+# overlap-end-persistent (their -persistent-ahead2 / -fsdp- variants cover both targets in CI)
+SUITE_CASES = {"sync-both", "off-both", "overlap-group", "overlap-end-persistent"}
 
 
 @pytest.mark.parametrize(

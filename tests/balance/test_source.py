@@ -86,6 +86,7 @@ def test_exact_global_batches_hold_the_unbalanced_samples() -> None:
         assert got == want
 
 
+@pytest.mark.suite
 def test_resume_mid_epoch_lands_on_the_same_packs(fits, tmp_path) -> None:
     ckpt = fits["root"] / "vlmbalance" / "ckpt" / "step=4.ckpt"
     resumed = _fit(tmp_path, "--strategy", "vlmbalance", *EPOCH, "--balance", "--resume", str(ckpt))
@@ -119,6 +120,7 @@ print(h.hexdigest())
 """
 
 
+@pytest.mark.suite
 def test_every_process_computes_the_same_plan() -> None:
     """Two processes (other ranks, other hash seeds) compute the plan from the same integers."""
     digests = set()

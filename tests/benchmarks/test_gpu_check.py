@@ -1,5 +1,6 @@
-"""benchmarks/gpu_check.py: its --smoke run goes through every part on the CPU, and a part that
-fails or runs out of time is reported while the others still run.
+"""benchmarks/gpu_check.py: its --smoke run goes through every part on the CPU, and (with
+``pytest -m suite``; the CI's smoke run checks every part's report) a part that fails or runs out
+of time is reported while the others still run.
 
 Times are printed, never judged: what is checked is that every part is reported, with the
 status, the numbers and the structure the GPU session will rely on.
@@ -104,6 +105,7 @@ def test_smoke_run_reports_every_part(smoke_runs) -> None:
     assert all((out / f"part_{name}.log").exists() for name in PARTS if name != "pytest")
 
 
+@pytest.mark.suite
 @pytest.mark.smoke_run("gpu_check_failures", argv=_failing_argv, seconds=15)
 def test_a_failed_or_timed_out_part_does_not_stop_the_others(smoke_runs) -> None:
     """A part that fails is FAIL with the tail of its output, one past its limit is TIMEOUT,

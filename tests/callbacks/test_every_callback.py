@@ -1,7 +1,8 @@
 """Every callback of the package through the same checks, as composer does for its methods:
 
 - world size 1 (an in-process ``Trainer``) and 2 (one subprocess fit with
-  ``strategy="vlmbalance"`` and all callbacks at once, shared by the module's tests);
+  ``strategy="vlmbalance"`` and all callbacks at once, shared by the module's tests; with
+  ``pytest -m suite``: in CI, test_strategy.py's bf16 fit runs every callback on 2 ranks);
 - disabled = no-op: a callback constructed with nothing to do leaves the parameters bitwise those
   of a fit without it (float64, same seed);
 - resume: fit, checkpoint after step 2, resume: the callback's state comes back, training
@@ -351,6 +352,7 @@ def ws2(tmp_path_factory) -> dict[str, Any]:
     return {"whole": whole, "resumed": _job(root / "resumed", "--resume", str(ckpt)), "ckpt": ckpt}
 
 
+@pytest.mark.suite
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_world_size_2_every_rank_runs_the_callback(ws2, case: Case) -> None:
     for run, first_step in ((ws2["whole"], 0), (ws2["resumed"], 2)):
@@ -362,6 +364,7 @@ def test_world_size_2_every_rank_runs_the_callback(ws2, case: Case) -> None:
             case.worked_on_rank(rank, first_step)
 
 
+@pytest.mark.suite
 def test_world_size_2_ranks_agree_and_nothing_is_left(ws2) -> None:
     for run in (ws2["whole"], ws2["resumed"]):
         for name, p in run[0]["params"].items():
@@ -370,6 +373,7 @@ def test_world_size_2_ranks_agree_and_nothing_is_left(ws2) -> None:
             assert run[r]["leftovers"] == NOTHING_LEFT, (r, run[r]["leftovers"])
 
 
+@pytest.mark.suite
 def test_world_size_2_resume_continues_the_uninterrupted_fit(ws2) -> None:
     """Every rank's callbacks start from the state saved at step 2, the ranks train the packs
     the uninterrupted fit trained after step 2, and end with bitwise its parameters."""

@@ -44,7 +44,13 @@ def _wait(row: dict) -> float:
     return row["phases_ms"]["sync_wait"] + row["phases_ms"]["lightning_sync"]
 
 
-@pytest.mark.parametrize(("accumulate", "extra"), [(1, ()), (4, ("--val-sleep-ms", "100"))])
+@pytest.mark.parametrize(
+    ("accumulate", "extra"),
+    [
+        pytest.param(1, (), marks=pytest.mark.suite, id="1-extra0"),
+        pytest.param(4, ("--val-sleep-ms", "100"), id="4-extra1"),
+    ],
+)
 def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int, extra) -> None:
     """Rank 1 sleeps 40 ms in every vision forward: every one of its vision forwards and steps
     lasts at least that (a lower bound from the sleep, whatever the load), it is the worst rank,
@@ -198,6 +204,7 @@ def test_single_device_logs_phases_without_waits(quick_runs) -> None:
     assert (_series(acc, "straggler/waste_frac") == 0).all()
 
 
+@pytest.mark.suite
 @pytest.mark.jobs("totals_a", "totals_b")
 def test_totals_survive_checkpoint_and_resume(quick_runs) -> None:
     """Totals continue after a resume; the resumed run times whole steps of 4 micro-batches."""

@@ -143,8 +143,9 @@ def test_the_tables_pack_differently_by_epoch(plan: str) -> None:
 
 
 # vlm_balance_reload and fsdp_balance_reload (five and three epochs, a new loader each) run with
-# the suite since the test job had to fit in 20 minutes: ddp_reload reloads in CI
-SUITE_FITS = {"vlm_balance_reload", "fsdp_balance_reload"}
+# the suite since the test job had to fit in 20 minutes: ddp_reload reloads in CI. ddp and its
+# resume too (in CI, ddp_reload covers "ddp" and resume_vlm the resume into a later epoch)
+SUITE_FITS = {"ddp", "vlm_balance_reload", "fsdp_balance_reload"}
 
 
 @pytest.mark.parametrize(
@@ -182,7 +183,9 @@ def test_every_sample_once_in_every_epoch(runs: dict, name: str) -> None:
 @pytest.mark.parametrize(
     ("name", "full"),
     [
-        pytest.param("resume_ddp", "ddp", marks=pytest.mark.jobs("resume_ddp")),
+        pytest.param(
+            "resume_ddp", "ddp", marks=[pytest.mark.jobs("resume_ddp"), pytest.mark.suite]
+        ),
         pytest.param("resume_vlm", "vlm_balance", marks=pytest.mark.jobs("resume_vlm")),
     ],
 )

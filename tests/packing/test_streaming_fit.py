@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from harness.jobs import selected
 from tests.launch import THEN, run_modules
 
 JOB = "tests.packing.stream_job"
@@ -20,9 +22,25 @@ def _seen(out: Path) -> dict[int, dict]:
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
 
 
+# which launch each fit is in; the LitData launch runs with the suite (``pytest -m suite``):
+# the resume matrix's CI cell ``litdata-encoder-2`` resumes a LitData stream under overlap
+LAUNCH = {
+    **dict.fromkeys(("uneven_ddp", "full", "resume", "empty"), "generic"),
+    **dict.fromkeys(("hf_full", "hf_resume", "fsdp"), "hf"),
+    **dict.fromkeys(("litdata_full", "litdata_resume"), "litdata"),
+}
+
+
+def _fit(*names: str) -> list[Any]:
+    """The marks of a test of these fits: the launches they need (suite: the LitData one)."""
+    launches = sorted({LAUNCH[n] for n in names})
+    return [pytest.mark.jobs(*launches)] + [pytest.mark.suite] * ("litdata" in launches)
+
+
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Three launches, two at a time, each several fits in the same two processes."""
+def fits(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three launches, two at a time, each several fits in the same two processes (those the
+    selected tests need)."""
     root = tmp_path_factory.mktemp("stream_fits")
 
     def fit(name: str, fmt: str, *args: str) -> list[str]:
@@ -55,7 +73,9 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
     fsdp = fit("fsdp", "generic", "--strategy", "fsdp_vlmbalance", "--mode", "off", *uneven)
     formats[0] += [THEN, *fsdp]
-    run_modules([(JOB, *generic), (JOB, *formats[0]), (JOB, *formats[1])], timeout=600)
+    launches = {"generic": generic, "hf": formats[0], "litdata": formats[1]}
+    wanted = selected(request, launches)
+    run_modules([(JOB, *argv) for argv in wanted.values()], timeout=600)
     return root
 
 
@@ -63,7 +83,13 @@ def _trained(seen: dict[int, dict], epoch: int = 0) -> list[int]:
     return [int(k) for r in seen for s in seen[r]["seen"] if s[0] == epoch for k in s[2]]
 
 
-@pytest.mark.parametrize("name", ["uneven_ddp", "full", "fsdp", "hf_full", "litdata_full"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=_fit(n))
+        for n in ("uneven_ddp", "full", "fsdp", "hf_full", "litdata_full")
+    ],
+)
 def test_every_record_is_trained_once_per_epoch_and_the_ranks_step_together(fits, name) -> None:
     seen = _seen(fits / name)
     epochs = {s[0] for s in seen[0]["seen"]}
@@ -76,7 +102,9 @@ def test_every_record_is_trained_once_per_epoch_and_the_ranks_step_together(fits
             assert (s[2] == []) == s[3], s  # padding packs, and only they, have no records
 
 
-@pytest.mark.parametrize("name", ["uneven_ddp", "full", "fsdp"])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=_fit(n)) for n in ("uneven_ddp", "full", "fsdp")]
+)
 def test_uneven_shards_end_together_the_longer_rank_lending_packs(fits, name) -> None:
     """Rank 1 holds 30% of the records: once its streams end, rank 0 hands it packs, so both
     train real packs to the end (at most one padding pack, in the last global batch) and the
@@ -90,6 +118,7 @@ def test_uneven_shards_end_together_the_longer_rank_lending_packs(fits, name) ->
     assert len(per_epoch) == -(-trained // 2)  # ceil(packs / 2): no step wasted on padding
 
 
+@pytest.mark.jobs("generic")
 def test_a_rank_without_records_ends_the_epoch_on_every_rank(fits) -> None:
     seen = _seen(fits / "empty")
     assert seen[0]["seen"] == [] and seen[1]["seen"] == []
@@ -98,7 +127,14 @@ def test_a_rank_without_records_ends_the_epoch_on_every_rank(fits) -> None:
 
 @pytest.mark.parametrize(
     ("full", "resumed"),
-    [("full", "resume"), ("hf_full", "hf_resume"), ("litdata_full", "litdata_resume")],
+    [
+        pytest.param(full, resumed, marks=_fit(full, resumed))
+        for full, resumed in (
+            ("full", "resume"),
+            ("hf_full", "hf_resume"),
+            ("litdata_full", "litdata_resume"),
+        )
+    ],
 )
 def test_a_mid_epoch_resume_trains_exactly_the_uninterrupted_packs(fits, full, resumed) -> None:
     a, b = _seen(fits / full), _seen(fits / resumed)

@@ -1,6 +1,6 @@
-"""The exchange soak (``tests/suites/soak_exchange.py``): a short soak passes its checks and a
-dying rank is reported in the default run; the recorded 5,000-batch soaks with
-``pytest -m suite``."""
+"""The exchange soak (``tests/suites/soak_exchange.py``): a short soak passes its checks in the
+default run; a dying rank is reported, and the recorded 5,000-batch soaks pass, with
+``pytest -m suite`` (a rank failing in its exchange: test_loader.py and test_strategy.py in CI)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def test_a_short_soak_passes_its_checks(smoke_runs) -> None:
     assert result["threads_after_pass"] == result["threads_before_pass"]
 
 
+@pytest.mark.suite
 @pytest.mark.smoke_run(
     "soak_die",
     argv=_soak(*SMOKE, "--die-rank", "1", "--die-at", "5", "--exchange-timeout-s", "5"),
