@@ -35,6 +35,7 @@ from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from_meta
 from lightning_vlmbalance.balance.encoder import probe_fields, register_group, route_for
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, on_stream
+from lightning_vlmbalance.balance.image_routing import plan_image_routing
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import weigh_step
 from lightning_vlmbalance.packing.collate import cat_padded
@@ -220,67 +221,44 @@ class GlobalBatchFormer:
     def _balance_encoder(
         self, batches: list[Any], features: np.ndarray, cost_model: CostModel
     ) -> tuple[list[Any], dict[str, float]]:
-        """Encoder balancing of one global batch (``RebalanceConfig(encoder=True)``): every
-        pack stays on its rank; in ``"overlap"`` / ``"sync"`` mode each rank's packs are
-        re-ordered over the micro-steps so that every micro-step carries about the same vision
-        work (:func:`~lightning_vlmbalance.balance.images.order_micro_steps`); then, micro-step
-        by micro-step, the images are planned to ranks, the pixels are sent where they are
-        encoded, and each batch is given its ``encoder_route`` and ``encoder_fields`` (see
+        """Encoder balancing of one global batch (``RebalanceConfig(encoder=True)``): the plan
+        (:func:`~lightning_vlmbalance.balance.image_routing.plan_image_routing`; in ``"off"``
+        mode the packs keep their micro-steps), the pixels sent where they are encoded, and
+        each batch given its ``encoder_route`` and ``encoder_fields`` (see
         :mod:`~lightning_vlmbalance.balance.encoder`). Returns this rank's batches in order and
         the statistics."""
-        # numba's import (about 0.1 s) only in the processes that balance images
-        from lightning_vlmbalance.balance.images import order_micro_steps, plan_images
-
         W, G, r = self.world_size, len(batches), self.rank
         start = time.perf_counter()
         sizes = self._gather_image_sizes(batches, features)  # (W * G, K), rows per image
-        counts = features[:, FEATURES.index("images")]
-        present = np.arange(sizes.shape[1])[None, :] < counts[:, None]
-        image_ms, per_call = cost_model.image_cost_ms(sizes)
-        image_ms = np.where(present, image_ms, 0.0)
-        llm_ms = cost_model.llm_cost_ms({n: features[:, i] for i, n in enumerate(FEATURES)})
-        placed = np.arange(W * G, dtype=np.int64).reshape(W, G)  # global pack: rank * G + m
-        if self.config.mode != "off":
-            steps = order_micro_steps(image_ms.sum(axis=1)[placed])
-            placed = np.take_along_axis(placed, steps, axis=1)
-        order = [batches[int(p) - r * G] for p in placed[r]]
+        routing = plan_image_routing(
+            features, sizes, cost_model, W, reorder=self.config.mode != "off"
+        )
+        order = [batches[int(p) - r * G] for p in routing.placed[r]]
         K = sizes.shape[1]
         mine: dict[int, Any] = {}
         moves: list[tuple[int, int, int]] = []
         foreign: list[list[int]] = []  # per micro-step: the keys of the images received
-        moved = 0
-        spent = ideal = spent_home = 0.0  # the plan's predicted step, as the ranks meet
-        for m in range(G):
-            packs = placed[:, m]
-            home = np.repeat(np.arange(W), counts[packs])
-            index = np.concatenate([np.arange(counts[p]) for p in packs]).astype(np.int64)
-            rows = np.concatenate([sizes[p, : counts[p]] for p in packs]).astype(np.int64)
-            plan = plan_images(np.full(W, per_call), image_ms[packs][present[packs]], home)
-            moved += plan.moved_images
-            language = llm_ms[packs]
-            spent += float(language.max() + plan.load.max())
-            spent_home += float(language.max() + plan.load_home.max())
-            ideal += float(language.mean() + plan.load.mean())
-            own = home == r
+        for m, step in enumerate(routing.steps):
+            own = step.home == r
             batch = order[m]
             fields = image_payload_fields(batch)
             batch["encoder_route"] = route_for(
                 group=self._encoder_group_name,
                 rank=r,
                 world=W,
-                own_sizes=rows[own].tolist(),
-                own_encoder=plan.encoder[own].tolist(),
+                own_sizes=step.rows[own].tolist(),
+                own_encoder=step.encoder[own].tolist(),
                 foreign=[
                     (int(h), int(n))
-                    for h, n, e in zip(home, rows, plan.encoder)
+                    for h, n, e in zip(step.home, step.rows, step.encoder)
                     if e == r and h != r
                 ],
-                moved_any=bool((plan.encoder != home).any()),
+                moved_any=step.moved_any,
             )
             # what the encoder must still see: preprocessing of the batch is refused there
             batch["encoder_route"].probe = probe_fields(fields)
             keys = []
-            for h, i, e in zip(home, index, plan.encoder):
+            for h, i, e in zip(step.home, step.index, step.encoder):
                 if e == h:
                     continue
                 key = (m * W + int(h)) * K + int(i)
@@ -309,13 +287,13 @@ class GlobalBatchFormer:
                     self.ready_events[id(order[m])] = stream.record_event()
             order[m]["encoder_fields"], order[m]["encoder_field_rows"] = fields
         return order, {
-            "encoder_moved_images": float(moved),
+            "encoder_moved_images": float(routing.moved_images),
             "encoder_bytes": float(received_bytes),  # this rank's; no collective
             "encoder_received_images": float(sum(len(keys) for keys in foreign)),  # this rank's
             "encoder_plan_ms": planned_ms,
             "exchange_ms": (time.perf_counter() - start) * 1e3 - planned_ms,
-            "planned_waste_frac": 1.0 - ideal / spent if spent > 0 else 0.0,
-            "baseline_waste_frac": 1.0 - ideal / spent_home if spent_home > 0 else 0.0,
+            "planned_waste_frac": routing.planned_waste_frac,
+            "baseline_waste_frac": routing.baseline_waste_frac,
         }
 
     def _side_stream(self) -> Any:
