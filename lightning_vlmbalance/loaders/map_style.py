@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.source import SourceBalance, build_balanced_epoch_plan
+from lightning_vlmbalance.loaders._dataloader_settings import DataLoaderSettings
 from lightning_vlmbalance.loaders.global_batch import GlobalBatchFormer
 from lightning_vlmbalance.loss import optimizer_steps
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
@@ -558,7 +559,7 @@ class _PackRefs(Sampler[list[tuple[int, int]]]):
         return len(self.owner._refs)
 
 
-class PackedDataLoader:
+class PackedDataLoader(DataLoaderSettings):
     """A Lightning-ready, resumable loader of packed batches (one pack per batch).
 
     It is not a ``torch.utils.data.DataLoader`` subclass on purpose: Lightning leaves it alone (no
@@ -838,32 +839,8 @@ class PackedDataLoader:
         if self._inner is not None:
             self._inner._iterator = value
 
-    @property
-    def worker_init_fn(self) -> Any:
-        """The inner ``DataLoader``'s; Lightning sets it for ``seed_everything(workers=True)``."""
-        return self.dataloader_kwargs.get("worker_init_fn")
-
-    @worker_init_fn.setter
-    def worker_init_fn(self, fn: Any) -> None:
-        self.dataloader_kwargs["worker_init_fn"] = fn
-        if self._inner is not None:
-            self._inner.worker_init_fn = fn
-
-    @property
-    def num_workers(self) -> int:
-        """The inner ``DataLoader``'s worker processes (``0``: the main process loads)."""
-        return int(self.dataloader_kwargs.get("num_workers", 0))
-
-    @property
-    def multiprocessing_context(self) -> Any:
-        """The inner ``DataLoader``'s (how its workers start; ``None``: the default)."""
-        return self.dataloader_kwargs.get("multiprocessing_context")
-
-    @multiprocessing_context.setter
-    def multiprocessing_context(self, context: Any) -> None:
-        self.dataloader_kwargs["multiprocessing_context"] = context
-        if self._inner is not None:
-            self._inner.multiprocessing_context = context
+    def _made_loader(self) -> DataLoader | None:
+        return self._inner
 
     @property
     def start(self) -> int:

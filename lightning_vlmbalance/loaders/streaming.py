@@ -72,6 +72,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.exchange import exchange_packs
+from lightning_vlmbalance.loaders._dataloader_settings import DataLoaderSettings
 from lightning_vlmbalance.loaders.global_batch import COLUMNS, GlobalBatchFormer, pack_features
 from lightning_vlmbalance.loaders.map_style import check_dataloader_kwargs
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
@@ -414,7 +415,7 @@ class _EpochSetter:
         self.epoch = int(epoch)
 
 
-class PackedStreamLoader:
+class PackedStreamLoader(DataLoaderSettings):
     """A Lightning-ready, resumable loader of packed batches from a streamed dataset.
 
     See the module docstring for what it does. Like
@@ -523,7 +524,7 @@ class PackedStreamLoader:
         self._iter_epoch: int | None = None
         self._start = 0
         self._delivered = 0
-        self._groups: deque[tuple[int, dict[str, Any]]] = deque(maxlen=_KEPT_GROUPS)
+        self._points = _ResumePoints()
         self._resume: dict[str, Any] | None = None
         # reports: records skipped (by the policy), padding packs this rank trained
         self.bad_samples: list[dict[str, Any]] = []
@@ -539,29 +540,9 @@ class PackedStreamLoader:
         return self.source
 
     @property
-    def num_workers(self) -> int:
-        return int(self.dataloader_kwargs.get("num_workers", 0))
-
-    @property
     def streams(self) -> int:
         """Streams this rank reads (its ``DataLoader`` workers, or one)."""
         return max(1, self.num_workers)
-
-    @property
-    def worker_init_fn(self) -> Any:
-        return self.dataloader_kwargs.get("worker_init_fn")
-
-    @worker_init_fn.setter
-    def worker_init_fn(self, fn: Any) -> None:
-        self.dataloader_kwargs["worker_init_fn"] = fn
-
-    @property
-    def multiprocessing_context(self) -> Any:
-        return self.dataloader_kwargs.get("multiprocessing_context")
-
-    @multiprocessing_context.setter
-    def multiprocessing_context(self, context: Any) -> None:
-        self.dataloader_kwargs["multiprocessing_context"] = context
 
     @property
     def micro_steps(self) -> int:
@@ -707,7 +688,7 @@ class PackedStreamLoader:
                 if pack["meta"]["sample_ids"]:
                     template = pack["pixel_values"][:0].clone()
             current = agreement.take()  # the next global batch's agreement runs meanwhile
-            self._groups.append((snapshot["position"], snapshot))
+            self._points.add(snapshot["position"], snapshot)
             # a rank short of packs pads to the longest share (the ranks step together; a
             # stream that ended on every rank ends with a shorter last step, as Lightning's)
             packs += [self._padding(template) for _ in range(step.length - len(packs))]
@@ -750,7 +731,7 @@ class PackedStreamLoader:
             self.padding_packs, self.packs = int(state["padding"]), int(state["packs"])
             self.lent_packs = int(state.get("lent", 0))
         self._iter_epoch, self._start, self._delivered = epoch, state["position"] + offset, 0
-        self._groups.clear()
+        self._points.clear()
         return state, offset
 
     def _check_split(self, packs: list[dict[str, Any]], group: Any, copies: int) -> None:
@@ -866,7 +847,7 @@ class PackedStreamLoader:
         return pack
 
     def _finish(self, epoch: int) -> None:
-        self._groups.append((self._start + self._delivered, {"finished": True}))
+        self._points.finish(self._start + self._delivered)
         if self.padding_packs:
             log.info(
                 "PackedStreamLoader: rank %d trained %d padding pack(s) in epoch %d while its"
@@ -879,7 +860,7 @@ class PackedStreamLoader:
     def _empty_rank(self, epoch: int, any_read: torch.Tensor, packs: list, copies: int) -> None:
         empty = [int(r) // copies for r in torch.nonzero(any_read == 0).flatten()]
         self.left_over = len(packs)
-        self._groups.append((self._start + self._delivered, {"finished": True}))
+        self._points.finish(self._start + self._delivered)
         warnings.warn(
             f"PackedStreamLoader: the source of rank(s) {sorted(set(empty))} yielded no records"
             f" in epoch {epoch}, so the epoch ends on every rank (no steps). This rank read"
@@ -934,37 +915,14 @@ class PackedStreamLoader:
         base = {"epoch": self.epoch, "ranks": size, "streams": self.streams}
         if self._resume is not None:  # restored, not iterated yet: keep what was restored
             return self._own_state(self._resume)
-        if self._pending or self._iter_epoch != self.epoch or not self._groups:
+        if self._pending or self._iter_epoch != self.epoch or not self._points:
             return {**base, "finished": self._iter_epoch == self.epoch, "position": 0}
-        start, snapshot = None, None
-        for at, snap in self._groups:
-            if at <= position:
-                start, snapshot = at, snap
-        if snapshot is None:
-            raise RuntimeError(
-                f"PackedStreamLoader: position {position} is before the global batches this"
-                " loader still remembers"
-            )
-        if snapshot.get("finished"):
-            return {**base, "finished": True, "position": start}
-        return {**base, "group": copy.deepcopy(snapshot), "offset": position - start}
+        return {**base, **self._points.state_at(position)}
 
     def _own_state(self, saved: dict[str, Any]) -> dict[str, Any]:
         """This process's entry of a state saved by :meth:`state_at` (every process's)."""
-        if "per_rank" not in saved:  # one rank's state (an older checkpoint)
-            return dict(saved)
-        states = saved["per_rank"]
         world = data_parallel_world(self.trainer.strategy if self.trainer is not None else None)
-        if len(states) != world.world_size and any("group" in s for s in states):
-            raise ValueError(
-                f"cannot resume the PackedStreamLoader mid-epoch {saved['epoch']}: the"
-                f" checkpoint was saved by {len(states)} process(es) and this run has"
-                f" {world.world_size}; a streamed source is sharded by rank and worker, so the"
-                " remaining records of the epoch cannot be found on other shards. Resume with"
-                " the same ranks and num_workers, or from a checkpoint saved at an epoch's end"
-                " (any number)"
-            )
-        return dict(states[min(world.global_rank, len(states) - 1)])
+        return own_entry(saved, world.world_size, world.global_rank)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resumes from :meth:`state_at`'s state. A state saved once its epoch was trained to the
@@ -978,6 +936,67 @@ class PackedStreamLoader:
             return
         self._resume = dict(state_dict)
         self.sampler.set_epoch(int(state_dict["epoch"]))
+
+
+class _ResumePoints:
+    """Where this rank's pass can resume: the start of each of the last global batches formed
+    (:data:`_KEPT_GROUPS` of them: a wrapper reads a few ahead), each with the state of the
+    streams and the epoch's counters before it; and where the pass ended."""
+
+    def __init__(self) -> None:
+        self._starts: deque[tuple[int, dict[str, Any]]] = deque(maxlen=_KEPT_GROUPS)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def clear(self) -> None:
+        self._starts.clear()
+
+    def add(self, position: int, snapshot: dict[str, Any]) -> None:
+        """A global batch starts at ``position`` of the epoch, from ``snapshot``."""
+        self._starts.append((int(position), snapshot))
+
+    def finish(self, position: int) -> None:
+        """The pass ended at ``position``: the epoch was trained to its end there."""
+        self._starts.append((int(position), {"finished": True}))
+
+    def state_at(self, position: int) -> dict[str, Any]:
+        """The state that resumes at ``position``: the last global batch starting at or before
+        it, and how many packs of it were trained (``offset``); or the end of the epoch."""
+        start, snapshot = None, None
+        for at, snap in self._starts:
+            if at <= position:
+                start, snapshot = at, snap
+        if snapshot is None:
+            raise RuntimeError(
+                f"PackedStreamLoader: position {position} is before the global batches this"
+                " loader still remembers"
+            )
+        if snapshot.get("finished"):
+            return {"finished": True, "position": start}
+        return {"group": copy.deepcopy(snapshot), "offset": position - start}
+
+
+def own_entry(saved: dict[str, Any], processes: int, process: int) -> dict[str, Any]:
+    """Process ``process``'s entry of a state saved by ``state_at`` (every process's, of
+    ``processes`` then; a mid-epoch state needs as many now).
+
+    Raises:
+        ValueError: for a mid-epoch state saved by another number of processes.
+    """
+    if "per_rank" not in saved:  # one rank's state (an older checkpoint)
+        return dict(saved)
+    states = saved["per_rank"]
+    if len(states) != processes and any("group" in s for s in states):
+        raise ValueError(
+            f"cannot resume the PackedStreamLoader mid-epoch {saved['epoch']}: the"
+            f" checkpoint was saved by {len(states)} process(es) and this run has"
+            f" {processes}; a streamed source is sharded by rank and worker, so the"
+            " remaining records of the epoch cannot be found on other shards. Resume with"
+            " the same ranks and num_workers, or from a checkpoint saved at an epoch's end"
+            " (any number)"
+        )
+    return dict(states[min(process, len(states) - 1)])
 
 
 _MAX_SHARES = 8  # a rank reads ahead at most this many global batches' shares (memory)

@@ -1,0 +1,49 @@
+"""The settings of a packed loader's inner ``DataLoader`` that Lightning reads and sets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["DataLoaderSettings"]
+
+
+class DataLoaderSettings:
+    """``num_workers``, ``worker_init_fn`` (which ``seed_everything(workers=True)`` sets) and
+    ``multiprocessing_context`` (which the strategies set for SIGTERM-safe workers), kept in
+    ``dataloader_kwargs`` for the inner ``DataLoader`` a pass makes, and passed on to one made
+    already (:meth:`_made_loader`)."""
+
+    dataloader_kwargs: dict[str, Any]
+
+    def _made_loader(self) -> Any:
+        """The inner ``DataLoader`` made already and kept across passes (``None``: none)."""
+        return None
+
+    def _set(self, name: str, value: Any) -> None:
+        self.dataloader_kwargs[name] = value
+        made = self._made_loader()
+        if made is not None:
+            setattr(made, name, value)
+
+    @property
+    def num_workers(self) -> int:
+        """The inner ``DataLoader``'s worker processes (``0``: the main process loads)."""
+        return int(self.dataloader_kwargs.get("num_workers", 0))
+
+    @property
+    def worker_init_fn(self) -> Any:
+        """The inner ``DataLoader``'s; Lightning sets it for ``seed_everything(workers=True)``."""
+        return self.dataloader_kwargs.get("worker_init_fn")
+
+    @worker_init_fn.setter
+    def worker_init_fn(self, fn: Any) -> None:
+        self._set("worker_init_fn", fn)
+
+    @property
+    def multiprocessing_context(self) -> Any:
+        """The inner ``DataLoader``'s (how its workers start; ``None``: the default)."""
+        return self.dataloader_kwargs.get("multiprocessing_context")
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, context: Any) -> None:
+        self._set("multiprocessing_context", context)
