@@ -129,6 +129,7 @@ def test_slow_rank_is_found_and_the_other_waits(tmp_path: Path, accumulate: int,
         assert np.median(after_val) > np.median(rank1_after_val), (after_val, rank1_after_val)
 
 
+@pytest.mark.suite  # CI: test_fsdp.py::test_every_callback_composes runs the monitor under FSDP2
 def test_fsdp_waits_inside_collectives_are_the_fast_ranks_wait(tmp_path: Path) -> None:
     """Under ``"fsdp_vlmbalance"`` the ranks meet inside the forward and the backward, at every
     FSDP unit's all-gather and reduce-scatter, not at a gradient all-reduce. Rank 1 sleeps in

@@ -25,15 +25,16 @@ and ``litdata``; strategies ``ddp``, ``vlmbalance`` in modes ``off``, ``sync``, 
 ``encoder`` (``overlap`` with encoder balancing) and ``fsdp`` (``fsdp_vlmbalance``, ``overlap``);
 2 and 4 ranks.
 
-Default run (CI), three cells, about 3 minutes on this 2-core machine (two launches at a
-time)::
+Default run (CI), two cells, about 80 s on this 2-core machine (two launches at a time)::
 
-    mapstyle-ddp-2   litdata-encoder-2   generic-fsdp-4
+    litdata-encoder-2   generic-fsdp-4
 
-(a map-style and two streaming loaders, plain DDP, encoder balancing and FSDP2; the uneven tail
-on 2 and on 4 ranks). ``generic-overlap-2`` and ``hf_shuffled-sync-2`` were CI cells until the
+(two streaming loaders, encoder balancing and FSDP2; the uneven tail on 2 and on 4 ranks).
+``generic-overlap-2``, ``hf_shuffled-sync-2`` and ``mapstyle-ddp-2`` were CI cells until the
 test job had to fit in 20 minutes: they run with the suite (``tests/packing/test_streaming_fit.py``
-resumes generic, Hugging Face and LitData streams in CI). The other 57 cells are marked
+resumes generic and Hugging Face streams in CI; ``tests/packing/test_lightning.py``,
+``tests/balance/test_strategy.py`` and ``tests/packing/test_epoch_lengths.py`` resume the
+map-style loader). The other 58 cells are marked
 ``suite``: ``pytest -m suite tests/packing/test_resume_matrix.py`` runs them,
 ``-m "suite or not suite"`` the whole cross product of 60 cells (about 35 minutes here, two
 launches at a time). One cell: ``-m "suite or not suite" -k hf-sync-4``.
@@ -180,7 +181,7 @@ ALL_CELLS = [
     Cell(loader, strategy, ranks)
     for ranks, loader, strategy in itertools.product(RANKS, LOADERS, STRATEGIES)
 ]
-CI_CELLS = {"mapstyle-ddp-2", "litdata-encoder-2", "generic-fsdp-4"}
+CI_CELLS = {"litdata-encoder-2", "generic-fsdp-4"}
 assert CI_CELLS <= {cell.name for cell in ALL_CELLS}
 
 
