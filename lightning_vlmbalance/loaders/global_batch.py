@@ -40,8 +40,11 @@ from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import weigh_step
 from lightning_vlmbalance.packing.collate import cat_padded
 
-__all__ = ["COLUMNS", "GlobalBatchFormer", "image_payload_fields", "pack_features"]
+__all__ = ["COLUMNS", "GlobalBatchFormer", "cut_step", "image_payload_fields", "pack_features"]
 
+# a resume inside an optimizer step saved by a RebalancingLoader: the step's first packs on
+# every rank that were trained before the checkpoint (the state's position is the step's start)
+STEP_LEAD = "rebalanced_step_lead"
 COLUMNS = (*FEATURES, "loss_tokens")  # the columns of a pack's row in a feature table
 LOSS_TOKENS = len(FEATURES)  # the loss tokens' column
 
@@ -62,6 +65,17 @@ def pack_features(batch: Any) -> list[int]:
         )
     features = features_from_meta(batch["meta"])
     return [features[name] for name in FEATURES] + [int(batch["loss_tokens"])]
+
+
+def cut_step(
+    batches: list[Any], features: np.ndarray, world_size: int, keep: int
+) -> tuple[list[Any], np.ndarray]:
+    """The first ``keep`` micro-steps of a global batch on every rank (where the epoch's
+    training batches end inside it: ``limit_train_batches``): this rank's packs and the feature
+    table's rows of every rank's first ``keep``."""
+    count = len(batches)
+    table = features.reshape(world_size, count, -1)[:, :keep]
+    return batches[:keep], table.reshape(world_size * keep, -1)
 
 
 class GlobalBatchFormer:

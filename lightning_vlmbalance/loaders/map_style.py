@@ -26,7 +26,7 @@ from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.source import SourceBalance, build_balanced_epoch_plan
 from lightning_vlmbalance.loaders._dataloader_settings import DataLoaderSettings
-from lightning_vlmbalance.loaders.global_batch import GlobalBatchFormer
+from lightning_vlmbalance.loaders.global_batch import STEP_LEAD, GlobalBatchFormer
 from lightning_vlmbalance.loss import optimizer_steps
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import (
@@ -897,7 +897,9 @@ class PackedDataLoader(DataLoaderSettings):
                 f" since the checkpoint ({detail})"
             )
         self._resume_epoch = int(state_dict["epoch"])
-        self._resume_at = int(state_dict["consumed"])
+        # saved by a RebalancingLoader inside an optimizer step (another strategy's fit): the
+        # packs of the step trained before count as consumed; the step is read whole again
+        self._resume_at = int(state_dict["consumed"]) + int(state_dict.get(STEP_LEAD, 0))
         self.sampler.set_epoch(self._resume_epoch)
         if self.sampler.balanced and state_dict.get("cost_schedule"):
             self.sampler.load_schedule_state(

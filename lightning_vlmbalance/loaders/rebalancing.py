@@ -48,7 +48,9 @@ from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.exchange import ExchangeError, wait_pack_ready
 from lightning_vlmbalance.loaders.global_batch import (
+    STEP_LEAD,
     GlobalBatchFormer,
+    cut_step,
     image_payload_fields,
     pack_features,
 )
@@ -397,16 +399,20 @@ class RebalancingLoader:
                 keep = int(max(0, stop - position))
                 if keep == 0:
                     return
-                table = features.reshape(self.world_size, count, -1)[:, :keep]
-                batches, features = batches[:keep], table.reshape(self.world_size * keep, -1)
+                batches, features = cut_step(batches, features, self.world_size, keep)
             yield [dict(b) for b in batches], features
             position += count
             if position >= stop:
                 return
 
     def _step_start(self) -> int:
-        """The training loop's position, less the batches of a resumed step trained before."""
-        return int(self.epoch_position()) - self._lead  # type: ignore[misc]
+        """The training loop's position, less the batches of a resumed step trained before.
+        A restored lead that does not fit the position (the checkpoint's step ended its epoch,
+        and the loop goes on with the next one from its start) is dropped."""
+        position = int(self.epoch_position())  # type: ignore[misc]
+        if self._lead and position % self.micro_steps != self._lead % self.micro_steps:
+            self._lead = 0
+        return position - self._lead
 
     def _inner_start(self) -> int:
         """Where the inner loader's pass started: a resumable source says, any other loader
@@ -518,6 +524,12 @@ class _ResumableRebalancingLoader(RebalancingLoader):
             # at the step's start: the global batch is planned and weighed whole again
             position = int(self.epoch_position())
             lead = position % self.micro_steps
+            if lead:
+                # the epoch's last step may be short: trained to the epoch's end, it is whole
+                ended = self.epoch_batches is not None and position >= self.epoch_batches()
+                at_end = source.state_at(position)
+                if ended or _finished(at_end):
+                    return at_end
             state = source.state_at(position - lead)
             return {**state, _LEAD: lead} if lead else state
         return source.state_at(self._pass_start + self._yielded)
@@ -525,10 +537,22 @@ class _ResumableRebalancingLoader(RebalancingLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
         self._lead = int(state.pop(_LEAD, 0))
+        consumed = state.get("consumed")
+        if not self._lead and isinstance(consumed, int) and consumed % self.micro_steps:
+            # a PackedDataLoader's own state from inside an optimizer step (saved under another
+            # strategy): resumed from the step's start, the step is formed and weighed whole
+            self._lead = consumed % self.micro_steps
+            state["consumed"] = consumed - self._lead
         self.loader.load_state_dict(state)  # type: ignore[attr-defined]
 
 
-_LEAD = "rebalanced_step_lead"  # batches of the resumed optimizer step trained before
+_LEAD = STEP_LEAD  # batches of the resumed optimizer step trained before
+
+
+def _finished(state: dict[str, Any]) -> bool:
+    """Whether a stream's state (every rank's) says its epoch was trained to the end."""
+    states = state.get("per_rank")
+    return bool(states) and all(s.get("finished") for s in states)
 
 
 def _own_dicts(batches: Iterable[Any]) -> Iterator[Any]:

@@ -73,7 +73,13 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.exchange import exchange_packs
 from lightning_vlmbalance.loaders._dataloader_settings import DataLoaderSettings
-from lightning_vlmbalance.loaders.global_batch import COLUMNS, GlobalBatchFormer, pack_features
+from lightning_vlmbalance.loaders.global_batch import (
+    COLUMNS,
+    STEP_LEAD,
+    GlobalBatchFormer,
+    cut_step,
+    pack_features,
+)
 from lightning_vlmbalance.loaders.map_style import check_dataloader_kwargs
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import PADDING
@@ -116,11 +122,13 @@ def _digest(prints: Iterable[str]) -> str:
 _GROUPS: dict[tuple[int, float], Any] = {}
 
 
-def _loader_group(timeout_s: float) -> Any:
-    """The gloo group every ``PackedStreamLoader`` of this process uses with this world and
-    timeout: one for the process, not one more per loader (a fit builds a new loader; its
-    group would never be used again)."""
-    key = (id(dist.group.WORLD), float(timeout_s))
+def _loader_group(timeout_s: float, role: str) -> Any:
+    """The gloo group every ``PackedStreamLoader`` of this process uses with this world,
+    timeout and role (``"train"``, ``"eval"``): one for the process, not one more per loader (a
+    fit builds a new loader; its group would never be used again). Training and evaluation
+    have groups of their own: a rebalancing strategy's thread runs the training loader's
+    collectives while the validation loader runs its own in the training loop."""
+    key = (id(dist.group.WORLD), float(timeout_s), role)
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return _GROUPS[key]
@@ -517,7 +525,6 @@ class PackedStreamLoader(DataLoaderSettings):
         self.dataloader_kwargs = dataloader_kwargs
         self.sampler = _EpochSetter()
         self._padding_features: list[int] | None = None
-        self._group: Any = None
         self.rank = 0
         # progress of the current pass
         self._pending = False
@@ -565,7 +572,20 @@ class PackedStreamLoader(DataLoaderSettings):
         :class:`~lightning_vlmbalance.loaders.global_batch.GlobalBatchFormer` from the features
         its ranks agreed on (with a trainer)."""
         former: GlobalBatchFormer | None = None
+        position: int | None = None  # in the epoch, of the global batch's first pack
         for packs, features, skip in self._global_batches():
+            if position is None:
+                position = self._start - skip
+            if self.trainer is not None and self.trainer.training:
+                # the epoch's training batches end here (limit_train_batches): the last step
+                # counts only the packs Lightning trains
+                stop = self.trainer.num_training_batches
+                if position + len(packs) > stop:
+                    keep = int(max(0, stop - position))
+                    if keep == 0:
+                        return
+                    packs, features = cut_step(packs, features, len(features) // len(packs), keep)
+            position += len(packs)
             if self.trainer is not None:
                 if former is None:
                     world = data_parallel_world(self.trainer.strategy)
@@ -618,12 +638,11 @@ class PackedStreamLoader(DataLoaderSettings):
 
     def _collective_group(self) -> Any:
         """The loaders' own process group (gloo; its collectives may run in a wrapper's thread
-        while the training loop uses the world group), one per world and timeout for the
-        whole process. Made at the first pass with more than one data-parallel rank, on every
-        rank at the same point: the training loop's first fetch."""
-        if self._group is None:
-            self._group = _loader_group(self.timeout_s)
-        return self._group
+        while the training loop uses the world group), one per world, timeout and role
+        (training or evaluation) for the whole process. Made at the first pass with more than
+        one data-parallel rank, on every rank at the same point: the loop's first fetch."""
+        role = "train" if self.trainer is not None and self.trainer.training else "eval"
+        return _loader_group(self.timeout_s, role)
 
     def _global_batches(self) -> Iterator[tuple[list[dict[str, Any]], np.ndarray, int]]:
         """The pass's global batches: this rank's packs of each (padding included), every
@@ -934,6 +953,12 @@ class PackedStreamLoader(DataLoaderSettings):
             self._resume = None
             self.sampler.set_epoch(int(state_dict["epoch"]) + 1)
             return
+        lead = int(state_dict.get(STEP_LEAD, 0))
+        if lead:  # saved by a RebalancingLoader inside a step: its first packs were trained
+            moved = [
+                {**s, "offset": int(s["offset"]) + lead} if "group" in s else s for s in states
+            ]
+            state_dict = {**state_dict, "per_rank": moved} if "per_rank" in state_dict else moved[0]
         self._resume = dict(state_dict)
         self.sampler.set_epoch(int(state_dict["epoch"]))
 
