@@ -36,7 +36,12 @@ def _tensor_parallel_trainer(rank: int, world: int) -> Any:
         distributed_sampler_kwargs={"num_replicas": world // COPIES, "rank": rank // COPIES},
         root_device=torch.device("cpu"),
     )
-    return SimpleNamespace(strategy=strategy, accumulate_grad_batches=2, training=True)
+    return SimpleNamespace(
+        strategy=strategy,
+        accumulate_grad_batches=2,
+        training=True,
+        num_training_batches=float("inf"),
+    )
 
 
 def _tensor_parallel_job(rank: int, world: int) -> dict[str, Any]:
