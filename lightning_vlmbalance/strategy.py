@@ -67,6 +67,7 @@ from lightning_vlmbalance.balance.calibration_listener import CalibrationListene
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.encoder import begin_micro_batch, returns_zero
+from lightning_vlmbalance.balance.model_schedule import ModelSchedule
 from lightning_vlmbalance.callbacks.straggler_monitor import StragglerMonitor
 from lightning_vlmbalance.loaders.map_style import PackedDataLoader
 from lightning_vlmbalance.loaders.rebalancing import RebalancingLoader
@@ -116,12 +117,16 @@ class Rebalancer:
         self.strategy = strategy
         self.config = config.resolved(sync_every_micro_batch=sync_every_micro_batch)
         loadable = isinstance(cost_model, str | os.PathLike)
-        self.cost_model = CostModel.load(cost_model) if loadable else cost_model
-        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+        given = CostModel.load(cost_model) if loadable else cost_model
+        if given is not None and not isinstance(given, CostModel):
             raise TypeError(
                 f"`{type(strategy).__name__}(cost_model={cost_model!r})`: expected a CostModel"
                 " or the path of one saved as JSON"
             )
+        self._model_given = given is not None
+        # the one holder of the cost model in use: which model plans each optimizer step's
+        # global batch (the loader, the calibrator and the metrics read it)
+        self.models = ModelSchedule(given)
         self.sync_every_micro_batch = sync_every_micro_batch
         self.gpu_payloads = gpu_payloads
         self.loader: RebalancingLoader | None = None
@@ -139,9 +144,7 @@ class Rebalancer:
         # subscribed to the StragglerMonitor (which has the timings); the optimizer step the
         # loader was made at
         calibration = self.config.calibration
-        self.calibrator = (
-            OnlineCalibrator(self.cost_model or CostModel(), calibration) if calibration else None
-        )
+        self.calibrator = OnlineCalibrator(self.models, calibration) if calibration else None
         self.calibration = CalibrationListener(self) if self.calibrator is not None else None
         self._told_unheard = False
         self._wrapped_at_step = 0
@@ -294,7 +297,8 @@ class Rebalancer:
             rank=step.world.rank,
             group=self._exchange_group,
             group_ranks=self._group_ranks,
-            cost_model=self.cost_model,
+            models=self.models,
+            first_step=trainer.global_step,
             config=config,
             payload_group=self._payload_group,
             device=self.strategy.root_device if self._payload_group is not None else None,
@@ -313,10 +317,10 @@ class Rebalancer:
         one, a sampler made later (``reload_dataloaders_every_n_epochs``) plans with the adopted
         model, not its starting one."""
         calibrated = self.calibrator is not None and self.calibrator.version > 0
-        if calibrated and self.cost_model is not None:
-            sampler.use_cost_model(self.cost_model)
+        if calibrated:
+            sampler.use_cost_model(self.models.latest)
             return
-        if self.cost_model is not None and self.cost_model != sampler.cost_model:
+        if self._model_given and self.models.latest != sampler.cost_model:
             warnings.warn(
                 f"`{type(self.strategy).__name__}(cost_model=...)` differs from the cost model"
                 " of the training loader's sampler (`PackingSampler(balance=...)`), which plans"
@@ -324,9 +328,12 @@ class Rebalancer:
                 " one online calibration refines); give the model to the sampler",
                 stacklevel=2,
             )
-        self.cost_model = sampler.cost_model
-        if self.calibrator is not None:
-            self.calibrator.model = sampler.cost_model
+        self.models.reset(sampler.cost_model)  # nothing planned yet: from the first step
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The newest cost model of the fit's schedule (:attr:`models`)."""
+        return self.models.latest
 
     def adopt(
         self, model: CostModel, *, global_step: int, sampler_after: int | None = None
@@ -339,9 +346,10 @@ class Rebalancer:
         past ``sampler_after`` (the furthest :meth:`sampler_position` of every rank; ``None``,
         as on a resume, whose loader state restored the epoch's plan: from the next epoch).
         Returns the loader's index of the first global batch planned with it (``None``: no
-        loader yet)."""
-        self.cost_model = model
+        loader yet). The model goes into the fit's schedule (:attr:`models`) from that
+        batch's optimizer step."""
         if self.loader is None:
+            self.models.adopt(model, global_step)  # a loader made later: from its first batch
             return None
         packed = self._packed_loader()
         if packed is not None:  # re-plans a source-balanced epoch (others: nothing to do)
@@ -353,7 +361,7 @@ class Rebalancer:
             # the first batch is read): from the first global batch (it once planned 3 with
             # the starting model)
             from_batch = 0
-        self.loader.adopt_cost_model(model, from_batch)
+        self.models.adopt(model, self._wrapped_at_step + from_batch)
         return from_batch
 
     def _packed_loader(self) -> PackedDataLoader | None:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from lightning_vlmbalance.balance.cost import FEATURES, MEASURED_FIELDS, CostModel, FitReport
+from lightning_vlmbalance.balance.model_schedule import ModelSchedule
 
 __all__ = ["Calibration", "OnlineCalibrator", "Refit", "usable_records"]
 
@@ -118,13 +119,15 @@ class OnlineCalibrator:
 
     Args:
         model: the model in use at the start (the defaults, or a calibrated file): refined,
-            never replaced by a worse one.
+            never replaced by a worse one. Or the fit's
+            :class:`~lightning_vlmbalance.balance.model_schedule.ModelSchedule`, whose newest
+            model is the one in use (a strategy's calibrator reads the strategy's schedule).
         config: the :class:`Calibration` options.
     """
 
-    def __init__(self, model: CostModel, config: Calibration | None = None) -> None:
+    def __init__(self, model: CostModel | ModelSchedule, config: Calibration | None = None) -> None:
         self.config = config or Calibration()
-        self.model = model
+        self.models = model if isinstance(model, ModelSchedule) else ModelSchedule(model)
         self.version = 0  # refits accepted
         self.skipped = 0  # records skipped: a missing feature, a non-finite or negative time
         self._window: deque[tuple[int, list[dict[str, Any]]]] = deque()
@@ -217,10 +220,23 @@ class OnlineCalibrator:
         )
         return Refit(False, current, reason=reason, **outcome)
 
-    def adopt(self, model: CostModel) -> None:
-        """Makes ``model`` (an accepted refit) the model in use: the next refits start from it."""
+    @property
+    def model(self) -> CostModel:
+        """The model in use: the newest of the schedule."""
+        return self.models.latest
+
+    def adopt(self, model: CostModel, *, from_step: int = 0) -> None:
+        """Makes ``model`` (an accepted refit) the model in use from optimizer step
+        ``from_step``: the next refits start from it."""
         with self._lock:
-            self.model, self.version = model, self.version + 1
+            self.models.adopt(model, from_step)
+            self.version += 1
+
+    def count_adopted(self) -> None:
+        """A refit of this calibrator was adopted by the schedule's owner (the strategy's
+        rebalancer, at a step every rank agrees on): counts the version."""
+        with self._lock:
+            self.version += 1
 
     def _drop_before_a_jump(self) -> bool:
         """Drops the records before the newest period's when the current model's error on the
@@ -248,8 +264,11 @@ class OnlineCalibrator:
             "accepted_error": self._accepted_error,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model = CostModel.from_dict(state["model"])
+    def load_state_dict(self, state: Mapping[str, Any], *, model: bool = True) -> None:
+        """Restores :meth:`state_dict`; ``model=False`` leaves the schedule to its owner (who
+        adopts the checkpoint's model where nothing planned it yet)."""
+        if model:
+            self.models.reset(CostModel.from_dict(state["model"]))
         self.version = int(state["version"])
         self.skipped = int(state.get("skipped", 0))
         self._accepted_error = state.get("accepted_error")

@@ -72,8 +72,10 @@ class CalibrationListener:
         self.world, self.is_rank_zero = world, world.global_rank == 0
         self._records = []
         if state is not None:
-            self.calibrator.load_state_dict(state)
-            self.rebalancer.adopt(self.calibrator.model, global_step=global_step)
+            self.calibrator.load_state_dict(state, model=False)
+            model = CostModel.from_dict(state["model"])
+            if model != self.rebalancer.cost_model:  # else the loader's state restored it
+                self.rebalancer.adopt(model, global_step=global_step)
         if self.is_rank_zero:
             log.info(
                 "lightning_vlmbalance: online calibration gathers timings every %d optimizer"
@@ -127,11 +129,11 @@ class CalibrationListener:
         metrics: dict[str, float] = {}
         if result is not None and result["accepted"]:
             model = CostModel.from_dict(result["model"])
-            self.calibrator.adopt(model)
             positions = [p["position"] for p in everyone if p["position"] is not None]
-            self.rebalancer.adopt(
+            self.rebalancer.adopt(  # into the fit's schedule, from a step every rank agrees on
                 model, global_step=global_step, sampler_after=max(positions, default=None)
             )
+            self.calibrator.count_adopted()
             self.shipped.append({**result, "adopted_at_step": global_step})
         if not self.is_rank_zero:
             return metrics
@@ -163,7 +165,7 @@ class CalibrationListener:
                     metrics[f"calibration/{key}"] = float(result[key])
         usable = usable_records(newest)
         if usable:  # the model in use, on the newest records: its prediction error over time
-            report = (self.rebalancer.cost_model or CostModel()).evaluate(usable)
+            report = self.rebalancer.cost_model.evaluate(usable)
             for key, value in report.mape.items():
                 metrics[f"calibration/mape_{key}"] = float(value)
         self._start_refit()

@@ -15,9 +15,10 @@ the loss contract (:mod:`lightning_vlmbalance.loss`), out. In between, by the
   encoders and their pixels sent where they are encoded
   (:mod:`~lightning_vlmbalance.balance.encoder`).
 
-The former also holds which cost model plans each global batch
-(:meth:`GlobalBatchFormer.adopt_cost_model`): ranks given the same ``from_batch`` switch at the
-same global batch, whichever thread forms it.
+Which cost model plans a global batch is read from the fit's
+:class:`~lightning_vlmbalance.balance.model_schedule.ModelSchedule` at the optimizer step that
+trains it: every rank reads the same model for the same batch, whichever thread forms it and how
+far ahead.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from
 from lightning_vlmbalance.balance.encoder import probe_fields, register_group, route_for
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, on_stream
 from lightning_vlmbalance.balance.image_routing import plan_image_routing
+from lightning_vlmbalance.balance.model_schedule import ModelSchedule
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import weigh_step
 from lightning_vlmbalance.packing.collate import cat_padded
@@ -93,8 +95,9 @@ class GlobalBatchFormer:
             default the CPU).
         config: mode, objective, tolerance, exchange timeout, encoder balancing (default
             ``RebalanceConfig(mode="off")``: only the weights).
-        cost_model: the cost model planning from the first global batch (default
-            :class:`CostModel`).
+        models: the fit's cost models by optimizer step (default: one :class:`CostModel`).
+        first_step: the optimizer step that trains the first global batch formed (Lightning's
+            ``trainer.global_step`` when the loader was made).
         payload_group, device, group_ranks, encoder_group: see
             :class:`~lightning_vlmbalance.RebalancingLoader`.
     """
@@ -110,7 +113,8 @@ class GlobalBatchFormer:
         gradient_ranks: int | None = None,
         gather_device: torch.device | str | None = None,
         config: RebalanceConfig | None = None,
-        cost_model: CostModel | None = None,
+        models: ModelSchedule | None = None,
+        first_step: int = 0,
         payload_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         group_ranks: Sequence[int] | None = None,
@@ -129,10 +133,10 @@ class GlobalBatchFormer:
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self._stream: Any = None  # the side CUDA stream of the exchange (created on first use)
         self.ready_events: dict[int, Any] = {}  # id(batch) -> CUDA event, until it is used
-        # the cost model schedule: the model in use, and the next one from an agreed batch on
-        self.cost_model = cost_model or CostModel()
+        # which model plans a global batch: the schedule's at the optimizer step training it
+        self.models = models if models is not None else ModelSchedule()
+        self.first_step = int(first_step)  # the optimizer step of the first global batch
         self._model_lock = threading.Lock()
-        self._next_model: tuple[CostModel, int] | None = None
         self._planned = 0  # global batches formed so far, every pass
         self._encoder_group_name = f"global-batch-{id(self)}"
         if self.config.encoder:
@@ -140,19 +144,13 @@ class GlobalBatchFormer:
 
     # -- which cost model plans a global batch ----------------------------------------------
 
-    def adopt_cost_model(self, model: CostModel, from_batch: int) -> None:
-        """Plans with ``model`` from the ``from_batch``-th global batch formed (counted from 0,
-        across passes). Every rank forms the same sequence of global batches, so ranks given the
-        same ``from_batch`` switch at the same one, whichever thread forms it and how far ahead."""
-        with self._model_lock:
-            self._next_model = (model, int(from_batch))
-
     def model_for_next_batch(self) -> CostModel:
+        """The model of the next global batch formed: the schedule's at its optimizer step
+        (``first_step`` plus the global batches formed before it, across passes: every rank
+        forms the same sequence of global batches)."""
         with self._model_lock:
             index, self._planned = self._planned, self._planned + 1
-            if self._next_model is not None and index >= self._next_model[1]:
-                self.cost_model, self._next_model = self._next_model[0], None
-            return self.cost_model
+        return self.models.at(self.first_step + index)
 
     @property
     def planned_batches(self) -> int:

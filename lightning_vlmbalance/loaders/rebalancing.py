@@ -47,6 +47,7 @@ import torch.distributed as dist
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.exchange import ExchangeError, wait_pack_ready
+from lightning_vlmbalance.balance.model_schedule import ModelSchedule
 from lightning_vlmbalance.loaders.global_batch import (
     STEP_LEAD,
     GlobalBatchFormer,
@@ -168,7 +169,10 @@ class RebalancingLoader:
         micro_steps: micro-batches per rank per global batch (the fit's ``StepSpec.micro_steps``).
         world_size: ranks in ``group``; ``rank``: this rank in it.
         group: process group for the feature gather and the exchange (``None``: the world).
-        cost_model: pack cost model (default :class:`CostModel`).
+        cost_model: pack cost model (default :class:`CostModel`), when no ``models`` are given.
+        models: the fit's :class:`~lightning_vlmbalance.balance.model_schedule.ModelSchedule`
+            (the strategy's: which cost model plans the global batch of each optimizer step).
+        first_step: the optimizer step that trains this loader's first global batch.
         config: mode, objective, tolerance, exchange timeout
             (:class:`~lightning_vlmbalance.balance.config.RebalanceConfig`; ``objective="auto"``
             means ``"microstep"`` here: the loader cannot know how often the ranks meet).
@@ -211,6 +215,8 @@ class RebalancingLoader:
         group: dist.ProcessGroup | None = None,
         cost_model: CostModel | None = None,
         config: RebalanceConfig | None = None,
+        models: ModelSchedule | None = None,
+        first_step: int = 0,
         payload_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         epoch_batches: Callable[[], float] | None = None,
@@ -234,6 +240,8 @@ class RebalancingLoader:
             raise ValueError(
                 f"`RebalancingLoader(group_ranks={list(group_ranks)})` must name {world_size} ranks"
             )
+        if models is not None and cost_model is not None:
+            raise ValueError("`RebalancingLoader(cost_model=..., models=...)`: not both")
         if self.config.encoder and self.config.mode == "overlap" and world_size > 1:
             if encoder_group is None:
                 raise ValueError(
@@ -241,15 +249,16 @@ class RebalancingLoader:
                     " of its own when world_size > 1: the embeddings return in the training"
                     " step while this loader's thread runs collectives on `group`"
                 )
-        # forms every global batch: gathers, plans, exchanges, routes images, weighs; holds the
-        # cost model planning each one
+        # forms every global batch: gathers, plans, exchanges, routes images, weighs; reads the
+        # cost model planning each one from the fit's schedule
         self.former = GlobalBatchFormer(
             micro_steps=micro_steps,
             world_size=world_size,
             rank=rank,
             group=group,
             config=self.config,
-            cost_model=cost_model,
+            models=models if models is not None else ModelSchedule(cost_model),
+            first_step=first_step,
             payload_group=payload_group,
             device=device,
             group_ranks=group_ranks,
@@ -481,14 +490,19 @@ class RebalancingLoader:
     # -- one global batch: the former's ------------------------------------------------------
 
     @property
+    def models(self) -> ModelSchedule:
+        """The cost models this loader plans with, by optimizer step."""
+        return self.former.models
+
+    @property
     def cost_model(self) -> CostModel:
-        """The cost model that planned the last global batch formed."""
-        return self.former.cost_model
+        """The newest cost model of the schedule (the one planning the batches formed next)."""
+        return self.former.models.latest
 
     def adopt_cost_model(self, model: CostModel, from_batch: int) -> None:
         """Plans with ``model`` from the ``from_batch``-th global batch this loader forms
-        (:meth:`GlobalBatchFormer.adopt_cost_model`)."""
-        self.former.adopt_cost_model(model, from_batch)
+        (counted from 0 across passes; its optimizer step in the schedule)."""
+        self.former.models.adopt(model, self.former.first_step + int(from_batch))
 
     def _model_for_next_batch(self) -> CostModel:
         return self.former.model_for_next_batch()
@@ -514,6 +528,12 @@ class _ResumableRebalancingLoader(RebalancingLoader):
     taken at optimizer-step boundaries resume on a global-batch boundary, with the same packs."""
 
     def state_dict(self) -> dict[str, Any]:
+        """The source's state where the training loop stands, and the fit's cost models by
+        optimizer step (a resume plans every global batch with the model the uninterrupted
+        run would have planned it with)."""
+        return {**self._source_state(), _MODELS: self.former.models.state_dict()}
+
+    def _source_state(self) -> dict[str, Any]:
         source: ResumablePackSource = self.loader  # type: ignore[assignment]
         if self._pass_start is None:
             return source.state_dict()
@@ -536,6 +556,9 @@ class _ResumableRebalancingLoader(RebalancingLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
+        models = state.pop(_MODELS, None)
+        if models is not None:
+            self.former.models.load_state_dict(models)
         self._lead = int(state.pop(_LEAD, 0))
         consumed = state.get("consumed")
         if not self._lead and isinstance(consumed, int) and consumed % self.micro_steps:
@@ -547,6 +570,7 @@ class _ResumableRebalancingLoader(RebalancingLoader):
 
 
 _LEAD = STEP_LEAD  # batches of the resumed optimizer step trained before
+_MODELS = "rebalanced_cost_models"  # the fit's ModelSchedule (a state saved under vlmbalance)
 
 
 def _finished(state: dict[str, Any]) -> bool:

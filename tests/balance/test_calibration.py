@@ -222,8 +222,7 @@ def test_a_reloaded_sampler_plans_with_the_adopted_model() -> None:
     rebalancer = strategy.rebalancer
     rebalancer._one_model_with(_balanced_sampler())
     adopted = _scaled(CostModel(), 0.5, 0.5)
-    rebalancer.calibrator.adopt(adopted)
-    rebalancer.cost_model = adopted  # what Rebalancer.adopt sets on every rank
+    rebalancer.calibrator.adopt(adopted)  # into the strategy's schedule, which it shares
     reloaded = _balanced_sampler()
     rebalancer._one_model_with(reloaded)
     assert reloaded.cost_model == adopted and reloaded.cost_schedule(0) == [(0, adopted)]
@@ -237,7 +236,9 @@ def test_a_resume_plans_its_first_global_batch_with_the_checkpoints_model() -> N
 
     strategy = vb.VLMBalanceStrategy(mode="off")
     rebalancer = strategy.rebalancer
-    rebalancer.loader = RebalancingLoader([], micro_steps=2, world_size=1, rank=0, mode="off")
+    rebalancer.loader = RebalancingLoader(
+        [], micro_steps=2, world_size=1, rank=0, mode="off", models=rebalancer.models
+    )
     checkpointed = _scaled(CostModel(), 2.0, 2.0)
     assert rebalancer.adopt(checkpointed, global_step=40) == 0
     assert rebalancer.loader._model_for_next_batch() == checkpointed
