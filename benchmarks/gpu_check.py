@@ -675,7 +675,7 @@ def part_encoder(smoke: bool) -> dict:
     import torch.distributed as dist
 
     import lightning_vlmbalance as vb
-    from lightning_vlmbalance.balance.encoder import ImageRoute, register_group
+    from lightning_vlmbalance.balance.encoder import ImageRoute, ReturnChannel
 
     cuda = torch.cuda.is_available() and not smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -683,7 +683,7 @@ def part_encoder(smoke: bool) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29_000 + os.getpid() % 1000))
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    register_group("gpu-check", None)
+    channel = ReturnChannel()  # the world group
     sizes = [1280, 768, 1280, 768, 1280] if cuda else [12, 8, 12]
     width = 1176 if cuda else 16  # Qwen-VL's patch row: 3 x 2 x 14 x 14
     torch.manual_seed(0)
@@ -707,7 +707,7 @@ def part_encoder(smoke: bool) -> dict:
     routed = {
         **plain,
         "encoder_route": ImageRoute(
-            group="gpu-check",
+            group=channel,
             rank=0,
             world=1,
             own_sizes=sizes,

@@ -66,7 +66,7 @@ from lightning_vlmbalance.balance.calibration import OnlineCalibrator
 from lightning_vlmbalance.balance.calibration_listener import CalibrationListener
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
-from lightning_vlmbalance.balance.encoder import begin_micro_batch, returns_zero
+from lightning_vlmbalance.balance.encoder import ReturnChannel
 from lightning_vlmbalance.balance.model_schedule import ModelSchedule
 from lightning_vlmbalance.callbacks.straggler_monitor import StragglerMonitor
 from lightning_vlmbalance.loaders.map_style import PackedDataLoader
@@ -134,6 +134,8 @@ class Rebalancer:
         self._payload_group: dist.ProcessGroup | None = None
         self._group_ranks: list[int] | None = None  # global ranks of the exchange group
         self._encoder_group: dist.ProcessGroup | None = None  # the embeddings' return
+        # encoder balancing's return: its group, the monitor's timer, the micro-batch's returns
+        self.returns = ReturnChannel()
         self.source_balanced = False  # the training loader's sampler balances at the source
         self.step: StepSpec | None = None  # built at setup, for the fit (or evaluation)
         self.preemption = SigtermAgreement(lambda: self.strategy.root_device, self._stop_pass)
@@ -193,7 +195,7 @@ class Rebalancer:
             )
             if me in ranks:
                 self._exchange_group, self._payload_group = group, payload
-                self._encoder_group = encoder
+                self._encoder_group = self.returns.group = encoder
                 self._group_ranks = None if whole else [int(r) for r in ranks]
 
     def setup(self, trainer: Any) -> None:
@@ -204,11 +206,15 @@ class Rebalancer:
             self._listen(trainer)
 
     def _listen(self, trainer: Any) -> None:
-        """Subscribes online calibration to the fit's StragglerMonitor (the timings it refits
-        on); without one, says once that calibration is on and does nothing."""
+        """Times encoder balancing's returns with the fit's StragglerMonitor (``encoder_return``)
+        and subscribes online calibration to it (the timings it refits on); without one, says
+        once that calibration is on and does nothing."""
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, StragglerMonitor)]
+        self.returns.timers.clear()  # a timer of an earlier fit's monitor times no more
+        if monitors:
+            self.returns.time_with(monitors[0].timer)
         if self.calibration is None:
             return
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, StragglerMonitor)]
         if not monitors:
             if not self._told_unheard:
                 self._told_unheard = True
@@ -307,6 +313,7 @@ class Rebalancer:
             # first batch, while the loop counts on from the checkpoint's
             epoch_position=lambda: seam.resume_position(trainer),
             encoder_group=self._encoder_group,
+            returns=self.returns,
         )
         return self.loader
 
@@ -408,6 +415,7 @@ class Rebalancer:
                 except (RuntimeError, ValueError) as err:  # pragma: no cover - best effort
                     log.debug("could not destroy an exchange group: %s", err)
         self._exchange_group = self._payload_group = self._encoder_group = None
+        self.returns = ReturnChannel()
         self._group_ranks = None
 
 
@@ -446,9 +454,10 @@ class _RebalancingProperties:
         # all_to_all), also when the model left them out of its loss (a pack without image
         # tokens whose model skips the embeddings): a zero of them joins the loss, inside
         # DDP's forward (automatic optimization), or at the backward (manual)
-        begin_micro_batch()
+        returns = self.rebalancer.returns
+        returns.begin_micro_batch()
         if self.rebalancer.config.encoder:
-            with seam.adding_to_training_loss(self.lightning_module, returns_zero):  # type: ignore[attr-defined]
+            with seam.adding_to_training_loss(self.lightning_module, returns.returns_zero):  # type: ignore[attr-defined]
                 out = super().training_step(*args, **kwargs)  # type: ignore[misc]
         else:
             out = super().training_step(*args, **kwargs)  # type: ignore[misc]
@@ -456,7 +465,8 @@ class _RebalancingProperties:
         return out
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        zero = returns_zero()  # what training_step's loss did not take (manual optimization)
+        # what training_step's loss did not take (manual optimization)
+        zero = self.rebalancer.returns.returns_zero()
         if zero is not None:
             closure_loss = closure_loss + zero.to(closure_loss.dtype)
         return super().backward(closure_loss, *args, **kwargs)  # type: ignore[misc]

@@ -41,6 +41,7 @@ from lightning_vlmbalance.timing.timer import ENCODER_RETURN, wait_phase
 
 __all__ = [
     "ImageRoute",
+    "ReturnChannel",
     "encode_images",
     "register_group",
     "return_home",
@@ -48,27 +49,96 @@ __all__ = [
     "time_returns",
 ]
 
-# the process groups routes name: set by the strategy (or the user) before training
-_GROUPS: dict[str, dist.ProcessGroup | None] = {}
-# step timers (``start(phase)`` / ``stop(phase)``) that time the returns as ``encoder_return``
-_TIMERS: list[Any] = []
+
+class ReturnChannel:
+    """Where the embeddings of routes return, and what times and keeps those returns: the
+    process group (``None``: the world; a dedicated one, since the return runs in the training
+    step while a rebalancing thread may run collectives on its own group), the step timers
+    that time each return as the phase ``encoder_return``, and the returns of the micro-batch
+    in progress (:meth:`returns_zero`). The strategy owns one per fit and hands it to its
+    loader, whose routes carry it; nothing is kept at module level.
+
+    Routes are copied with the batch (Lightning's batch transfer copies dataclasses): a
+    channel's copy is the channel itself.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.timers: list[Any] = []  # ``start(phase)`` / ``stop(phase)`` step timers
+        self._returns: list[torch.Tensor] = []
+
+    def __copy__(self) -> ReturnChannel:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReturnChannel:
+        return self
+
+    def time_with(self, timer: Any, *, on: bool = True) -> None:
+        """Times every return of embeddings (and of their gradients) as ``encoder_return`` of
+        ``timer`` (a :class:`~lightning_vlmbalance.timing.StepTimer`), or stops that."""
+        if on and timer not in self.timers:
+            self.timers.append(timer)
+        elif not on and timer in self.timers:
+            self.timers.remove(timer)
+
+    def begin_micro_batch(self) -> None:
+        """Forgets the returns of a micro-batch that had no backward (the strategy calls it
+        before each training step)."""
+        self._returns.clear()
+
+    def returns_zero(self) -> torch.Tensor | None:
+        """A scalar zero that depends on every return of this micro-batch (``None``: none), so
+        that the backward of each return runs on every rank, whatever the model did with the
+        embeddings (a pack whose embeddings the model uses only when it has image tokens)."""
+        if not self._returns:
+            return None
+        zero = sum(r.sum() for r in self._returns) * 0.0
+        self._returns.clear()
+        return zero
+
+    def kept(self, returned: torch.Tensor) -> None:
+        """A return whose backward (an ``all_to_all`` every rank of the group enters) must run
+        even if the model leaves its embeddings out of the loss."""
+        self._returns.append(returned)
 
 
-def time_returns(timer: Any, *, on: bool = True) -> None:
-    """Times every return of embeddings (and of their gradients) as the phase
-    ``encoder_return`` of ``timer`` (a :class:`~lightning_vlmbalance.timing.StepTimer`; the
-    StragglerMonitor registers its own), or stops that with ``on=False``."""
-    if on and timer not in _TIMERS:
-        _TIMERS.append(timer)
-    elif not on and timer in _TIMERS:
-        _TIMERS.remove(timer)
+# deprecated: channels named by a string (``register_group``), for routes made by hand
+_NAMED: dict[str, ReturnChannel] = {}
 
 
 def register_group(name: str, group: dist.ProcessGroup | None) -> None:
-    """Names the process group the embeddings of routes carrying ``name`` return on (``None``:
-    the world). A dedicated group: the return runs in the training step, while the
-    rebalancing thread may run collectives on its own group."""
-    _GROUPS[name] = group
+    """Deprecated: give :func:`route_for` a :class:`ReturnChannel` instead. Names the process
+    group the embeddings of routes carrying ``name`` return on (``None``: the world)."""
+    warnings.warn(
+        "`register_group` is deprecated: pass `route_for(group=ReturnChannel(group))`",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    _NAMED[name] = ReturnChannel(group)
+
+
+def time_returns(timer: Any, *, on: bool = True) -> None:
+    """Deprecated: :meth:`ReturnChannel.time_with` (the strategy times its channel's returns
+    with the fit's StragglerMonitor). Times the returns of routes named by
+    :func:`register_group`."""
+    warnings.warn(
+        "`time_returns` is deprecated: a route's `ReturnChannel.time_with(timer)` times it",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    for channel in _NAMED.values():
+        channel.time_with(timer, on=on)
+
+
+def _channel(route: ImageRoute) -> ReturnChannel:
+    if isinstance(route.group, ReturnChannel):
+        return route.group
+    if route.group not in _NAMED:
+        raise ValueError(
+            f"an encoder route names the return group {route.group!r}, which no"
+            " `register_group` named: give `route_for(group=ReturnChannel(...))`"
+        )
+    return _NAMED[route.group]
 
 
 @dataclass
@@ -77,7 +147,8 @@ class ImageRoute:
     batch transfer leaves it as it is).
 
     Attributes:
-        group: the registered name of the return's process group.
+        group: the :class:`ReturnChannel` the embeddings return on (a name given to the
+            deprecated :func:`register_group`, for routes made by hand).
         rank: this rank in that group; ``world``: its size.
         own_sizes: rows (image tokens) of each of the pack's own images, in pack order.
         keep: the own images encoded here, in pack order.
@@ -85,7 +156,7 @@ class ImageRoute:
         recv_sizes: per rank of the group, the rows of each image received from it.
     """
 
-    group: str
+    group: ReturnChannel | str
     rank: int
     world: int
     own_sizes: list[int]
@@ -151,21 +222,23 @@ class _ReturnEmbeddings(torch.autograd.Function):
         rows: torch.Tensor,
         send_splits: list[int],
         recv_splits: list[int],
-        group: dist.ProcessGroup | None,
+        channel: ReturnChannel,
     ) -> torch.Tensor:
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        ctx.splits, ctx.channel = (send_splits, recv_splits), channel
         out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        with wait_phase(_TIMERS, ENCODER_RETURN):
-            dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+        with wait_phase(channel.timers, ENCODER_RETURN):
+            dist.all_to_all_single(
+                out, rows.contiguous(), recv_splits, send_splits, group=channel.group
+            )
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         send_splits, recv_splits = ctx.splits
         out = grad.new_empty((sum(send_splits), *grad.shape[1:]))
-        with wait_phase(_TIMERS, ENCODER_RETURN):
+        with wait_phase(ctx.channel.timers, ENCODER_RETURN):
             dist.all_to_all_single(
-                out, grad.contiguous(), send_splits, recv_splits, group=ctx.group
+                out, grad.contiguous(), send_splits, recv_splits, group=ctx.channel.group
             )
         return out, None, None, None
 
@@ -356,28 +429,6 @@ def _modules_of(encoder: Any) -> list[torch.nn.Module]:
     return [c.cell_contents for c in cells if isinstance(c.cell_contents, torch.nn.Module)]
 
 
-# returns whose backward (an ``all_to_all`` every rank of the group enters) must run even if the
-# model leaves their embeddings out of its loss: the strategy adds a zero of them to the loss
-_RETURNS: list[torch.Tensor] = []
-
-
-def begin_micro_batch() -> None:
-    """Forgets the returns of a micro-batch that had no backward (the strategy calls it before
-    each training step)."""
-    _RETURNS.clear()
-
-
-def returns_zero() -> torch.Tensor | None:
-    """A scalar zero that depends on every return of this micro-batch (``None``: none), so that
-    the backward of each return runs on every rank, whatever the model did with the
-    embeddings (a pack whose embeddings the model uses only when it has image tokens)."""
-    if not _RETURNS:
-        return None
-    zero = sum(r.sum() for r in _RETURNS) * 0.0
-    _RETURNS.clear()
-    return zero
-
-
 @torch.compiler.disable
 def return_home(route: ImageRoute, out: torch.Tensor) -> torch.Tensor:
     """The pack's own image rows, in the pack's image order, from ``out``: the rows this rank
@@ -386,16 +437,17 @@ def return_home(route: ImageRoute, out: torch.Tensor) -> torch.Tensor:
     owners and the own images encoded elsewhere come back (one ``all_to_all``, with autograd:
     its backward sends the gradients the other way). Every rank of the route's group must call
     it, with or without images; under autograd the strategy makes every rank run its backward
-    too (:func:`returns_zero`). Eager under torch.compile."""
+    too (:meth:`ReturnChannel.returns_zero`). Eager under torch.compile."""
+    channel = _channel(route)
     if not route.moved_any:  # every image of the micro-step is encoded at home, on every rank
         return out
     sizes = np.asarray(route.own_sizes, dtype=np.int64)
     send_back = [sum(per_rank) for per_rank in route.recv_sizes]  # to each image's owner
     expect = [int(sizes[per_rank].sum()) for per_rank in route.send]  # from each encoder
     n = len(route.kept_index)  # type: ignore[arg-type]
-    returned = _ReturnEmbeddings.apply(out[n:], send_back, expect, _GROUPS.get(route.group))
+    returned = _ReturnEmbeddings.apply(out[n:], send_back, expect, channel)
     if returned.requires_grad:
-        _RETURNS.append(returned)
+        channel.kept(returned)
     # [kept images' rows, returned rows] -> the pack's own row order, in one gather (its
     # backward one scatter). ``returned`` always joins it, even with no row
     home = route.home_index.to(out.device, non_blocking=True)  # type: ignore[union-attr]
@@ -437,7 +489,7 @@ def check_rows(
 
 def route_for(
     *,
-    group: str,
+    group: ReturnChannel | str,
     rank: int,
     world: int,
     own_sizes: Sequence[int],

@@ -17,7 +17,6 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_vlmbalance import _lightning as seam
-from lightning_vlmbalance.balance import encoder
 from lightning_vlmbalance.balance.cost import features_from_meta
 from lightning_vlmbalance.callbacks._options import checked_log_every_n_steps
 from lightning_vlmbalance.parallel import DataParallelWorld, data_parallel_world
@@ -169,7 +168,7 @@ class StragglerMonitor(Callback):
         self._handles: list[Any] = []
         self._seam_trainer: L.Trainer | None = None
         self._restore_hook: tuple[DDPStrategy, Any] | None = None
-        self._timing_returns: StepTimer | None = None  # the timer given to encoder balancing
+        self._timing_collectives: StepTimer | None = None  # the timer given to FSDP2's collectives
         self._last_step = 0
         self._failed = False
         self._fitting = False  # from on_train_start to the end of fit: checkpoints gather
@@ -219,10 +218,10 @@ class StragglerMonitor(Callback):
             )
         self._patch_loop(trainer)
         self._register_cpu_comm_hook(trainer)
-        encoder.time_returns(self.timer)  # encoder balancing's returns: ``encoder_return``
-        # FSDP2's all-gathers and reduce-scatters (a no-op for DDP): ``collective_wait``
+        # FSDP2's all-gathers and reduce-scatters (a no-op for DDP): ``collective_wait``. (The
+        # returns of encoder balancing are timed by the strategy's channel, with this timer.)
         time_collectives(self.timer)
-        self._timing_returns = self.timer
+        self._timing_collectives = self.timer
         directory = Path(self.jsonl_dir) if self.jsonl_dir else None
         if directory is None:
             log_dir = trainer.log_dir  # a broadcast from rank 0: every rank calls it here
@@ -402,10 +401,9 @@ class StragglerMonitor(Callback):
         # a restored listener state belongs to the run that restored it (a fit consumes it at
         # its start; `validate(ckpt_path=...)` restores it too): never to a later fit
         self._listener_states = {}
-        if self._timing_returns is not None:
-            encoder.time_returns(self._timing_returns, on=False)
-            time_collectives(self._timing_returns, on=False)
-            self._timing_returns = None
+        if self._timing_collectives is not None:
+            time_collectives(self._timing_collectives, on=False)
+            self._timing_collectives = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from_meta
-from lightning_vlmbalance.balance.encoder import probe_fields, register_group, route_for
+from lightning_vlmbalance.balance.encoder import ReturnChannel, probe_fields, route_for
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, on_stream
 from lightning_vlmbalance.balance.image_routing import plan_image_routing
 from lightning_vlmbalance.balance.model_schedule import ModelSchedule
@@ -98,7 +98,7 @@ class GlobalBatchFormer:
         models: the fit's cost models by optimizer step (default: one :class:`CostModel`).
         first_step: the optimizer step that trains the first global batch formed (Lightning's
             ``trainer.global_step`` when the loader was made).
-        payload_group, device, group_ranks, encoder_group: see
+        payload_group, device, group_ranks, encoder_group, returns: see
             :class:`~lightning_vlmbalance.RebalancingLoader`.
     """
 
@@ -119,6 +119,7 @@ class GlobalBatchFormer:
         device: torch.device | str | None = None,
         group_ranks: Sequence[int] | None = None,
         encoder_group: dist.ProcessGroup | None = None,
+        returns: ReturnChannel | None = None,
     ) -> None:
         self.micro_steps = int(micro_steps)
         self.world_size = int(world_size)
@@ -138,9 +139,8 @@ class GlobalBatchFormer:
         self.first_step = int(first_step)  # the optimizer step of the first global batch
         self._model_lock = threading.Lock()
         self._planned = 0  # global batches formed so far, every pass
-        self._encoder_group_name = f"global-batch-{id(self)}"
-        if self.config.encoder:
-            register_group(self._encoder_group_name, encoder_group)
+        # the routes' return: the strategy's channel (its timers, its returns), or one here
+        self.channel = returns if returns is not None else ReturnChannel(encoder_group)
 
     # -- which cost model plans a global batch ----------------------------------------------
 
@@ -255,7 +255,7 @@ class GlobalBatchFormer:
             batch = order[m]
             fields = image_payload_fields(batch)
             batch["encoder_route"] = route_for(
-                group=self._encoder_group_name,
+                group=self.channel,
                 rank=r,
                 world=W,
                 own_sizes=step.rows[own].tolist(),

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.balance.encoder import ReturnChannel
 from lightning_vlmbalance.balance.exchange import ExchangeError, wait_pack_ready
 from lightning_vlmbalance.balance.model_schedule import ModelSchedule
 from lightning_vlmbalance.loaders.global_batch import (
@@ -195,6 +196,9 @@ class RebalancingLoader:
             in the training step (:func:`~lightning_vlmbalance.balance.encoder.encode_images`);
             a group of its own in ``"overlap"`` mode, where this loader's thread runs
             collectives on ``group`` meanwhile. Default: the world group.
+        returns: the :class:`~lightning_vlmbalance.balance.encoder.ReturnChannel` the routes
+            carry (the strategy's: its group, its step timers, its micro-batch's returns);
+            default one on ``encoder_group``.
 
     The loader is resumable (``state_dict`` / ``load_state_dict``, which Lightning checkpoints)
     exactly when the inner loader is a :class:`ResumablePackSource` (it must say where its pass
@@ -223,6 +227,7 @@ class RebalancingLoader:
         group_ranks: Sequence[int] | None = None,
         epoch_position: Callable[[], int] | None = None,
         encoder_group: dist.ProcessGroup | None = None,
+        returns: ReturnChannel | None = None,
         **options: Any,
     ) -> None:
         if micro_steps < 1:
@@ -243,7 +248,7 @@ class RebalancingLoader:
         if models is not None and cost_model is not None:
             raise ValueError("`RebalancingLoader(cost_model=..., models=...)`: not both")
         if self.config.encoder and self.config.mode == "overlap" and world_size > 1:
-            if encoder_group is None:
+            if encoder_group is None and (returns is None or returns.group is None):
                 raise ValueError(
                     "`RebalancingLoader(encoder=True, mode='overlap')` needs an `encoder_group`"
                     " of its own when world_size > 1: the embeddings return in the training"
@@ -263,6 +268,7 @@ class RebalancingLoader:
             device=device,
             group_ranks=group_ranks,
             encoder_group=encoder_group,
+            returns=returns,
         )
         self.epoch_batches = epoch_batches
         self.epoch_position = epoch_position

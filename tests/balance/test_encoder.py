@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from benchmarks.image_lp import lp_bound, lp_min_ranks
 from harness.jobs import check, result, selected
 from harness.ranks import run_ranks
-from lightning_vlmbalance.balance.encoder import encode_images, register_group, route_for
+from lightning_vlmbalance.balance.encoder import ReturnChannel, encode_images, route_for
 from lightning_vlmbalance.balance.images import image_bound, plan_images
 from lightning_vlmbalance.loaders.rebalancing import image_payload_fields
 from tests.balance.fits import fit_result, job, max_rel_diff
@@ -173,7 +173,7 @@ PLAN = {0: [0, 1, 2], 1: [0, 2], 2: []}
 
 
 def _route_job(rank: int, world: int, encoder_cls: type) -> dict:
-    register_group("test", None)
+    channel = ReturnChannel()  # the world group
     encoder = encoder_cls()
     batch = _pack(SIZES[rank], seed=rank)
     foreign, pixels = [], []
@@ -185,7 +185,7 @@ def _route_job(rank: int, world: int, encoder_cls: type) -> dict:
                 foreign.append((owner, SIZES[owner][i]))
                 pixels.append(other["pixel_values"][cu[i] : cu[i + 1]])
     batch["encoder_route"] = route_for(
-        group="test",
+        group=channel,
         rank=rank,
         world=world,
         own_sizes=SIZES[rank],
@@ -449,7 +449,12 @@ def test_any_change_to_the_loaders_pixels_is_refused_at_any_call_and_a_cast_is_n
 
     pixels = _pack([4, 2, 3], seed=0)["pixel_values"].float()
     route = route_for(
-        group="test", rank=0, world=1, own_sizes=[4, 2, 3], own_encoder=[0, 0, 0], foreign=[]
+        group=ReturnChannel(),
+        rank=0,
+        world=1,
+        own_sizes=[4, 2, 3],
+        own_encoder=[0, 0, 0],
+        foreign=[],
     )
     route.probe = probe_fields({"pixel_values": (pixels, None)})
     for _ in range(40):  # unchanged, or cast (bf16-true, .double(), fp16): accepted
@@ -458,3 +463,37 @@ def test_any_change_to_the_loaders_pixels_is_refused_at_any_call_and_a_cast_is_n
     for changed in (pixels * 1.009, pixels.bfloat16().float(), (pixels - 0.1) * 2.0):
         with pytest.raises(ValueError, match="'pixel_values' changed between the loader"):
             check_unchanged(route, "pixel_values", changed)
+
+
+def test_a_route_keeps_its_channel_through_lightnings_batch_transfer() -> None:
+    """The channel (the return's group, timers and returns) rides on the route, which
+    Lightning's batch transfer copies field by field: the copy carries the same channel."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    channel = ReturnChannel()
+    route = route_for(group=channel, rank=0, world=1, own_sizes=[2], own_encoder=[0], foreign=[])
+    moved = move_data_to_device({"encoder_route": route, "x": torch.zeros(1)}, "cpu")
+    assert moved["encoder_route"].group is channel
+
+
+def test_a_route_named_by_the_deprecated_register_group_still_returns() -> None:
+    """``register_group(name, group)`` and ``route_for(group=name)`` (routes made by hand
+    before channels) work on, with a deprecation warning; an unknown name is refused by name."""
+    from lightning_vlmbalance.balance.encoder import register_group, return_home
+
+    with pytest.warns(DeprecationWarning, match="register_group"):
+        register_group("by-hand", None)
+    out = torch.arange(6.0).reshape(3, 2)
+    route = route_for(
+        group="by-hand",
+        rank=0,
+        world=1,
+        own_sizes=[1, 2],
+        own_encoder=[0, 0],
+        foreign=[],
+        moved_any=False,
+    )
+    assert torch.equal(return_home(route, out), out)
+    route.group = "never-named"
+    with pytest.raises(ValueError, match="'never-named'"):
+        return_home(route, out)

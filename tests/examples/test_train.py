@@ -236,6 +236,13 @@ def test_every_mode_logs_to_tensorboard(main_job) -> None:
             if mode == "encoder":  # its metrics, and the returns' phase per rank
                 assert {"balance/encoder_moved_images", "balance/encoder_bytes"} <= tags
                 assert {f"straggler/encoder_return_ms/rank_{k}" for k in (0, 1)} <= tags
+                # timed: the strategy's return channel carries the monitor's timer
+                returns = [
+                    e.value
+                    for k in (0, 1)
+                    for e in acc.Scalars(f"straggler/encoder_return_ms/rank_{k}")
+                ]
+                assert max(returns) > 0
     acc = _scalars(summary["modes"]["off"]["log_dir"])
     loss = [e.value for e in acc.Scalars("train/loss")]
     assert len(loss) >= 3 and loss[-1] < loss[0]  # it learns

@@ -19,7 +19,6 @@ pytest.importorskip("transformers")
 from harness.ranks import run_ranks
 from lightning_vlmbalance.hf.synthetic import TINY_FAMILIES
 
-GROUP = "hf-encoder-test"
 # seed 1: items 0, 1, 2 have images and 3 is text-only, in every family
 PACKS = {"swap": ([0, 3], [1, 2]), "text_only": ([0, 1], [3])}
 
@@ -56,7 +55,7 @@ def _route_job(rank: int, world: int, family: str, scenario: str, wrap: str = "n
     import transformers as tf
 
     import lightning_vlmbalance.hf as vbhf
-    from lightning_vlmbalance.balance.encoder import register_group, route_for
+    from lightning_vlmbalance.balance.encoder import ReturnChannel, route_for
     from lightning_vlmbalance.hf.synthetic import SyntheticProcessed, tiny_config
     from lightning_vlmbalance.loaders.rebalancing import image_payload_fields
 
@@ -87,14 +86,14 @@ def _route_job(rank: int, world: int, family: str, scenario: str, wrap: str = "n
         encoder[0][0], encoder[1][-1] = 1, 0
     else:
         encoder[0] = [1] * len(sizes[0])
-    register_group(GROUP, None)
+    channel = ReturnChannel()  # the world group
 
     def routed(r: int) -> dict:
         batch = dict(packs[r])
         other = 1 - r
         moved = [i for i, e in enumerate(encoder[other]) if e == r]
         batch["encoder_route"] = route_for(
-            group=GROUP,
+            group=channel,
             rank=r,
             world=world,
             own_sizes=sizes[r],
@@ -173,7 +172,7 @@ def test_images_waiting_for_a_forward_are_never_left_for_another_batch() -> None
     import transformers as tf
 
     import lightning_vlmbalance.hf as vbhf
-    from lightning_vlmbalance.balance.encoder import route_for
+    from lightning_vlmbalance.balance.encoder import ReturnChannel, route_for
     from lightning_vlmbalance.hf.synthetic import SyntheticProcessed, tiny_config
 
     config = tiny_config("qwen2_5_vl")
@@ -184,7 +183,12 @@ def test_images_waiting_for_a_forward_are_never_left_for_another_batch() -> None
     for pack in packs:
         sizes = [int(s) for s in pack["meta"]["image_sizes"]]
         pack["encoder_route"] = route_for(
-            group=GROUP, rank=0, world=1, own_sizes=sizes, own_encoder=[0] * len(sizes), foreign=[]
+            group=ReturnChannel(),
+            rank=0,
+            world=1,
+            own_sizes=sizes,
+            own_encoder=[0] * len(sizes),
+            foreign=[],
         )
     vbhf.model_inputs(model, packs[0])
     with pytest.raises(RuntimeError, match="still wait for the forward"):
