@@ -345,6 +345,134 @@ def _emit(
 
 
 @njit(cache=True, nogil=True)
+def _read_window(
+    order: np.ndarray,
+    pos: int,
+    rest: int,
+    taken: np.ndarray,
+    tokens: np.ndarray,
+    waiting: np.ndarray,
+    window: np.ndarray,
+    budget: float,
+    capacity: int,
+) -> tuple[int, int, int]:
+    """Step 1 of a global batch: writes its window to ``window``: the waiting samples, then
+    the stream from ``pos`` on until the window holds ``budget`` tokens; and if everything
+    left then fits in ``capacity`` tokens (the epoch's last global batch), the whole rest of
+    the stream. Returns the window's length and the new ``pos`` and ``rest``."""
+    n = order.shape[0]
+    nw = 0
+    total = 0
+    for i in range(waiting.shape[0]):
+        window[nw] = waiting[i]
+        nw += 1
+        total += tokens[waiting[i]]
+    while pos < n and total < budget:
+        s = order[pos]
+        pos += 1
+        if taken[s]:
+            continue
+        window[nw] = s
+        nw += 1
+        total += tokens[s]
+        rest -= tokens[s]
+    if total + rest <= capacity:  # the epoch's last global batch: everything that is left
+        while pos < n:
+            s = order[pos]
+            pos += 1
+            if not taken[s]:
+                window[nw] = s
+                nw += 1
+        rest = 0
+    return nw, pos, rest
+
+
+@njit(cache=True, nogil=True)
+def _fill_gaps(
+    order: np.ndarray,
+    pos: int,
+    rest: int,
+    taken: np.ndarray,
+    tokens: np.ndarray,
+    image_tokens: np.ndarray,
+    cost: np.ndarray,
+    T: int,
+    fixed: float,
+    lookahead: int,
+    fill_images: bool,
+    room: np.ndarray,
+    seq_s: np.ndarray,
+    seq_p: np.ndarray,
+    nseq: int,
+) -> tuple[int, int]:
+    """Step 4 of a global batch: the packs' free room filled from the next ``lookahead``
+    samples of the stream, the text-only ones by best fit (longest first), then, with
+    ``fill_images``, those with images (:func:`_fill_images`); the samples taken are marked in
+    ``taken``. Returns the new length of the fill record and the new ``rest``."""
+    max_room = 0
+    for p in range(room.shape[0]):
+        max_room = max(max_room, room[p])
+    if max_room <= 0:
+        return nseq, rest
+    end = min(order.shape[0], pos + lookahead)
+    cand = np.empty(end - pos, dtype=np.int64)
+    nc = 0
+    for i in range(pos, end):
+        s = order[i]
+        if not taken[s] and image_tokens[s] == 0 and tokens[s] <= max_room:
+            cand[nc] = s
+            nc += 1
+    cand = cand[:nc]
+    cand = cand[np.argsort(-tokens[cand], kind="mergesort")]
+    placed = np.empty(nc, dtype=np.bool_)
+    nseq = _best_fit(cand, tokens, room, T, seq_s, seq_p, nseq, placed)
+    for i in range(nc):
+        if placed[i]:
+            taken[cand[i]] = True
+            rest -= tokens[cand[i]]
+    if fill_images:
+        nseq, took = _fill_images(
+            order,
+            pos,
+            end,
+            taken,
+            tokens,
+            image_tokens,
+            cost,
+            fixed,
+            room,
+            seq_s,
+            seq_p,
+            nseq,
+        )
+        rest -= took
+    return nseq, rest
+
+
+@njit(cache=True, nogil=True)
+def _pack_leftovers(
+    left: np.ndarray,
+    tokens: np.ndarray,
+    P: int,
+    T: int,
+    seq_s: np.ndarray,
+    seq_p: np.ndarray,
+    nseq: int,
+) -> tuple[int, int]:
+    """The epoch's last global batch: the samples that did not fit its ``P`` packs get packs
+    of their own, ids ``P`` on (best fit decreasing). Returns the new length of the fill
+    record and the batch's pack count."""
+    left = left[np.argsort(-tokens[left], kind="mergesort")]
+    extra_room = np.full(left.shape[0], T, dtype=np.int64)
+    placed = np.empty(left.shape[0], dtype=np.bool_)
+    first = nseq
+    nseq = _best_fit(left, tokens, extra_room, T, seq_s, seq_p, nseq, placed)
+    for i in range(first, nseq):
+        seq_p[i] += P
+    return nseq, P + left.shape[0]
+
+
+@njit(cache=True, nogil=True)
 def form_epoch(
     order: np.ndarray,
     tokens: np.ndarray,
@@ -380,83 +508,36 @@ def form_epoch(
     pos = 0
     while pos < n or waiting.shape[0] > 0:
         # 1. window: the waiting samples, then the stream up to the budget
-        nw = 0
-        total = 0
-        for i in range(waiting.shape[0]):
-            window[nw] = waiting[i]
-            nw += 1
-            total += tokens[waiting[i]]
-        while pos < n and total < budget:
-            s = order[pos]
-            pos += 1
-            if taken[s]:
-                continue
-            window[nw] = s
-            nw += 1
-            total += tokens[s]
-            rest -= tokens[s]
-        if total + rest <= P * T:  # the epoch's last global batch: everything that is left
-            while pos < n:
-                s = order[pos]
-                pos += 1
-                if not taken[s]:
-                    window[nw] = s
-                    nw += 1
-            rest = 0
+        nw, pos, rest = _read_window(
+            order, pos, rest, taken, tokens, waiting, window, budget, P * T
+        )
         # 2-3. balance the big samples, best-fit the small ones
         nseq, left, room = balance_window(
             window[:nw], tokens, image_tokens, cost, P, T, fixed, small_tokens, seq_s, seq_p
         )
         # 4. fill the gaps from the lookahead (text only, unless fill_images)
         if pos < n:
-            max_room = 0
-            for p in range(P):
-                max_room = max(max_room, room[p])
-            if max_room > 0:
-                end = min(n, pos + lookahead)
-                cand = np.empty(end - pos, dtype=np.int64)
-                nc = 0
-                for i in range(pos, end):
-                    s = order[i]
-                    if not taken[s] and image_tokens[s] == 0 and tokens[s] <= max_room:
-                        cand[nc] = s
-                        nc += 1
-                cand = cand[:nc]
-                cand = cand[np.argsort(-tokens[cand], kind="mergesort")]
-                placed = np.empty(nc, dtype=np.bool_)
-                nseq = _best_fit(cand, tokens, room, T, seq_s, seq_p, nseq, placed)
-                for i in range(nc):
-                    if placed[i]:
-                        taken[cand[i]] = True
-                        rest -= tokens[cand[i]]
-                if fill_images:
-                    nseq, took = _fill_images(
-                        order,
-                        pos,
-                        end,
-                        taken,
-                        tokens,
-                        image_tokens,
-                        cost,
-                        fixed,
-                        room,
-                        seq_s,
-                        seq_p,
-                        nseq,
-                    )
-                    rest -= took
+            nseq, rest = _fill_gaps(
+                order,
+                pos,
+                rest,
+                taken,
+                tokens,
+                image_tokens,
+                cost,
+                T,
+                fixed,
+                lookahead,
+                fill_images,
+                room,
+                seq_s,
+                seq_p,
+                nseq,
+            )
         n_packs = P
         if pos >= n and left.shape[0] > 0:
-            # the last batch: whatever did not fit gets packs of its own (best fit decreasing)
-            left = left[np.argsort(-tokens[left], kind="mergesort")]
-            extra_room = np.full(left.shape[0], T, dtype=np.int64)
-            placed = np.empty(left.shape[0], dtype=np.bool_)
-            first = nseq
-            nseq = _best_fit(left, tokens, extra_room, T, seq_s, seq_p, nseq, placed)
-            for i in range(first, nseq):
-                seq_p[i] += P
-            n_extra = left.shape[0]
-            n_packs = P + n_extra
+            # the last batch: whatever did not fit gets packs of its own
+            nseq, n_packs = _pack_leftovers(left, tokens, P, T, seq_s, seq_p, nseq)
             left = left[:0]
         n_out, n_pack, written = _emit(seq_s, seq_p, nseq, n_packs, out, n_out, pack_len, n_pack)
         window_packs[n_window] = written

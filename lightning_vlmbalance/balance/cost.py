@@ -308,28 +308,7 @@ class CostModel:
                 ``records``, or its file, line and place in ``"micro"``), or a field has fewer
                 usable records than the terms it fits. The model is unchanged then.
         """
-        if isinstance(records, str | Path):
-            records, sources = _read_monitor_records(records)
-        else:
-            records = list(records)
-            sources = [f"record {i}" for i in range(len(records))]
-        rows, where = [], []
-        for rec, src in zip(records, sources):
-            if not isinstance(rec, Mapping):
-                raise ValueError(
-                    f"CostModel.fit: {src} is not a micro-batch record (a mapping of pack"
-                    f" features and times), got {type(rec).__name__}"
-                )
-            if all(rec.get(f) is not None for f in FEATURES):
-                for f in FEATURES:
-                    _check_number(rec[f], f, src)
-                rows.append(rec)
-                where.append(src)
-        if not rows:
-            raise ValueError(
-                "CostModel.fit: no micro-batch record has the pack features"
-                f" {FEATURES}; log packed batches (PackCollator) with the StragglerMonitor"
-            )
+        records, rows, where = _featured_records(records)
         terms = _term_matrix({f: [r[f] for r in rows] for f in FEATURES})
         fitted: list[str] = []
         determined: dict[str, tuple[str, ...]] = {}
@@ -351,21 +330,7 @@ class CostModel:
                     f" {len(cols)} terms it fits"
                 )
             prior = np.array([self.coefficients[p][t] for p, t in pairs])
-            live = _determined_columns(A, y, [t for _, t in pairs])
-            coef = prior.copy()
-            # the kept terms' share at their prior; the determined terms fit the rest
-            rest = y - A[:, ~live] @ prior[~live]
-            coef[live] = _scaled_nnls(A[:, live], rest, weight_of=y)
-            # a kept term in the span of the others whose prior the records contradict (the
-            # determined terms cannot take its share back: they cannot go negative, as when a
-            # frozen vision tower has no backward) is set to 0 where that fits clearly better
-            contradicted = ~live & (np.abs(A).sum(axis=0) > 0) & (prior > 0)
-            if contradicted.any():
-                zero = np.where(contradicted, 0.0, prior)
-                other = zero.copy()
-                other[live] = _scaled_nnls(A[:, live], y - A[:, ~live] @ zero[~live], weight_of=y)
-                if _relative_sse(A, y, other) < 0.99 * _relative_sse(A, y, coef):
-                    coef, live = other, live | contradicted
+            coef, live = _fit_terms(A, y, prior, [t for _, t in pairs])
             for (phase, term), value in zip(pairs, coef):
                 new[phase][term] = float(value)
             fitted.append(measured)
@@ -521,6 +486,67 @@ def _scaled_nnls(A: np.ndarray, y: np.ndarray, weight_of: np.ndarray | None = No
     if live.any():
         coef[live] = nnls(A[:, live] / norms[live], y) / norms[live]
     return coef
+
+
+def _featured_records(
+    records: Iterable[Mapping[str, Any]] | str | Path,
+) -> tuple[list[Any], list[Mapping[str, Any]], list[str]]:
+    """The records :meth:`CostModel.fit` reads (from a StragglerMonitor file or folder when
+    given a path), those of them that have every pack feature, and where each of those comes
+    from (its index in ``records``, or its file, line and place in ``"micro"``), for errors.
+
+    Raises:
+        ValueError: as :meth:`CostModel.fit`, for a record that is not a mapping, a feature
+            that is not a finite number >= 0, or no record with the pack features.
+    """
+    if isinstance(records, str | Path):
+        records, sources = _read_monitor_records(records)
+    else:
+        records = list(records)
+        sources = [f"record {i}" for i in range(len(records))]
+    rows, where = [], []
+    for rec, src in zip(records, sources):
+        if not isinstance(rec, Mapping):
+            raise ValueError(
+                f"CostModel.fit: {src} is not a micro-batch record (a mapping of pack"
+                f" features and times), got {type(rec).__name__}"
+            )
+        if all(rec.get(f) is not None for f in FEATURES):
+            for f in FEATURES:
+                _check_number(rec[f], f, src)
+            rows.append(rec)
+            where.append(src)
+    if not rows:
+        raise ValueError(
+            "CostModel.fit: no micro-batch record has the pack features"
+            f" {FEATURES}; log packed batches (PackCollator) with the StragglerMonitor"
+        )
+    return records, rows, where
+
+
+def _fit_terms(
+    A: np.ndarray, y: np.ndarray, prior: np.ndarray, names: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """One measured field's coefficients, as :meth:`CostModel.fit` describes: the terms the
+    records determine fitted to ``y`` minus the kept terms' share at their ``prior``, and a
+    kept term that the records contradict set to 0. Returns the coefficients and which terms
+    count as determined."""
+    live = _determined_columns(A, y, names)
+    coef = prior.copy()
+    # the kept terms' share at their prior; the determined terms fit the rest
+    rest = y - A[:, ~live] @ prior[~live]
+    coef[live] = _scaled_nnls(A[:, live], rest, weight_of=y)
+    # a kept term in the span of the others whose prior the records contradict (the
+    # determined terms cannot take its share back: they cannot go negative, as when a
+    # frozen vision tower has no backward) is set to 0 where that fits clearly better
+    contradicted = ~live & (np.abs(A).sum(axis=0) > 0) & (prior > 0)
+    if contradicted.any():
+        zero = np.where(contradicted, 0.0, prior)
+        other = zero.copy()
+        other[live] = _scaled_nnls(A[:, live], y - A[:, ~live] @ zero[~live], weight_of=y)
+        if _relative_sse(A, y, other) < 0.99 * _relative_sse(A, y, coef):
+            coef, live = other, live | contradicted
+    return coef, live
 
 
 # A weighted, unit-norm column closer than this to the span of the columns chosen before it is

@@ -254,13 +254,7 @@ def build_balanced_epoch_plan(
     lengths, skipped, truncated = apply_overlong_policy(
         total_tokens, image_tokens, config.seq_len, config.overlong
     )
-    keep = np.ones(len(lengths), dtype=bool)
-    keep[skipped] = False
-    order = np.flatnonzero(keep)
-    if config.shuffle:
-        order = order[np.random.default_rng([config.seed, epoch]).permutation(len(order))]
-    if len(order) == 0:
-        raise ValueError("no sample is left to pack (every sample was skipped)")
+    order = _sample_stream(len(lengths), skipped, config, epoch)
     costs = [
         (start, model, *sample_costs(model, lengths, image_tokens, images))
         for start, model in schedule
@@ -272,47 +266,10 @@ def build_balanced_epoch_plan(
             total_tokens, image_tokens, lengths, costs, config, R, G, epoch, balance
         )
     else:
-        batches = []
-        for k, (start, _, cost, fixed) in enumerate(costs):
-            if start > len(batches):
-                break  # the epoch ended before this model's first batch
-            if batches:  # the samples the earlier batches left, in stream order
-                order = order[~np.isin(order, np.concatenate([b.positions for b in batches]))]
-                if not len(order):
-                    break
-            formed = form_balanced_batches(
-                order,
-                lengths,
-                image_tokens,
-                cost,
-                packs_per_batch=R * G,
-                seq_len=config.seq_len,
-                pack_fixed_image_cost=fixed,
-                settings=balance,
-            )
-            end = costs[k + 1][0] if k + 1 < len(costs) else None
-            batches.extend(formed if end is None else formed[: end - start])
-    starts = [start for start, *_ in costs]
-    rank_packs: list[list[np.ndarray]] = [[] for _ in range(R)]
-    rank_ids: list[list[int]] = [[] for _ in range(R)]
-    tokens: list[int] = []
-    padding = 0
-    empty = np.zeros(0, np.int64)
-    for index, batch in enumerate(batches):
-        n_real = len(batch)
-        padding += R * G - n_real
-        pack_tokens = batch.tokens(lengths).tolist()
-        model = costs[bisect.bisect_right(starts, index) - 1][1]
-        placed = _place(batch, lengths, image_tokens, images, model, R, G, balance.objective)
-        for r in range(R):
-            for p in placed[r]:
-                if p < n_real:
-                    rank_packs[r].append(batch[p])
-                    rank_ids[r].append(len(tokens))
-                    tokens.append(pack_tokens[p])
-                else:
-                    rank_packs[r].append(empty)
-                    rank_ids[r].append(PADDING)
+        batches = _scheduled_batches(order, lengths, image_tokens, costs, config, R * G, balance)
+    rank_packs, rank_ids, tokens, padding = _deal_batches(
+        batches, lengths, image_tokens, images, costs, R, G, balance.objective
+    )
     return EpochPlan(
         epoch=epoch,
         world_size=R,
@@ -326,6 +283,99 @@ def build_balanced_epoch_plan(
         balanced_batches=len(batches) - fallback,
         fallback_batches=fallback,
     )
+
+
+def _sample_stream(
+    n_samples: int, skipped: np.ndarray, config: PackingConfig, epoch: int
+) -> np.ndarray:
+    """The epoch's sample stream: every sample but the ``skipped`` ones, shuffled (when the
+    config shuffles) by ``(seed, epoch)``, as every rank draws it.
+
+    Raises:
+        ValueError: if every sample was skipped.
+    """
+    keep = np.ones(n_samples, dtype=bool)
+    keep[skipped] = False
+    order = np.flatnonzero(keep)
+    if config.shuffle:
+        order = order[np.random.default_rng([config.seed, epoch]).permutation(len(order))]
+    if len(order) == 0:
+        raise ValueError("no sample is left to pack (every sample was skipped)")
+    return order
+
+
+def _scheduled_batches(
+    order: np.ndarray,
+    lengths: np.ndarray,
+    image_tokens: np.ndarray,
+    costs: list[tuple[int, CostModel, np.ndarray, float]],
+    config: PackingConfig,
+    packs_per_batch: int,
+    balance: SourceBalance,
+) -> list[Packs]:
+    """The epoch's balanced global batches when the cost model changes on a schedule: each
+    ``(first batch, model, cost, fixed)`` of ``costs`` forms its batches from the samples that
+    the batches before it left in the stream, in stream order, up to the next one's first
+    batch."""
+    batches: list[Packs] = []
+    for k, (start, _, cost, fixed) in enumerate(costs):
+        if start > len(batches):
+            break  # the epoch ended before this model's first batch
+        if batches:  # the samples the earlier batches left, in stream order
+            order = order[~np.isin(order, np.concatenate([b.positions for b in batches]))]
+            if not len(order):
+                break
+        formed = form_balanced_batches(
+            order,
+            lengths,
+            image_tokens,
+            cost,
+            packs_per_batch=packs_per_batch,
+            seq_len=config.seq_len,
+            pack_fixed_image_cost=fixed,
+            settings=balance,
+        )
+        end = costs[k + 1][0] if k + 1 < len(costs) else None
+        batches.extend(formed if end is None else formed[: end - start])
+    return batches
+
+
+def _deal_batches(
+    batches: list[Packs],
+    lengths: np.ndarray,
+    image_tokens: np.ndarray,
+    images: np.ndarray,
+    costs: list[tuple[int, CostModel, np.ndarray, float]],
+    R: int,
+    G: int,
+    objective: str,
+) -> tuple[list[list[np.ndarray]], list[list[int]], list[int], int]:
+    """Each global batch's packs placed on the ranks (:func:`_place`, with the model that
+    formed the batch), a batch short of ``R x G`` packs padded with empty ones. Returns each
+    rank's packs in order, their pack ids (:data:`PADDING` for a padding pack), the tokens of
+    each real pack by id, and the padding packs' count."""
+    starts = [start for start, *_ in costs]
+    rank_packs: list[list[np.ndarray]] = [[] for _ in range(R)]
+    rank_ids: list[list[int]] = [[] for _ in range(R)]
+    tokens: list[int] = []
+    padding = 0
+    empty = np.zeros(0, np.int64)
+    for index, batch in enumerate(batches):
+        n_real = len(batch)
+        padding += R * G - n_real
+        pack_tokens = batch.tokens(lengths).tolist()
+        model = costs[bisect.bisect_right(starts, index) - 1][1]
+        placed = _place(batch, lengths, image_tokens, images, model, R, G, objective)
+        for r in range(R):
+            for p in placed[r]:
+                if p < n_real:
+                    rank_packs[r].append(batch[p])
+                    rank_ids[r].append(len(tokens))
+                    tokens.append(pack_tokens[p])
+                else:
+                    rank_packs[r].append(empty)
+                    rank_ids[r].append(PADDING)
+    return rank_packs, rank_ids, tokens, padding
 
 
 def _place(

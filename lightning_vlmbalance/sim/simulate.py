@@ -531,6 +531,50 @@ def simulate(
     Raises:
         ValueError: for an unknown strategy or sync mode, or a mix too small to replay.
     """
+    _check_arguments(table, dp, ga, strategies, batches, sync_every)
+    overhead = step_overhead or StepOverhead()
+    plan = (rebalance or RebalanceConfig()).resolved(
+        sync_every_micro_batch=sync_every == "microstep"
+    )
+    pools = _PoolCache(
+        table,
+        seq_len,
+        cost_model or CostModel(),
+        exchange or ExchangeModel(),
+        seed,
+        replay,
+        image_budget,
+        stream_buffer,
+    )
+    rows: list[dict[str, Any]] = []
+    for R in dp:
+        for G in ga:
+            rows.extend(
+                _configuration_rows(
+                    pools,
+                    R,
+                    G,
+                    strategies,
+                    batches=batches,
+                    replay_skip=replay_skip,
+                    sync_every=sync_every,
+                    plan=plan,
+                    overhead_ms=overhead(R),
+                    progress=progress,
+                )
+            )
+    return rows
+
+
+def _check_arguments(
+    table: LengthTable,
+    dp: Sequence[int],
+    ga: Sequence[int],
+    strategies: Sequence[str],
+    batches: int,
+    sync_every: str,
+) -> None:
+    """:func:`simulate`'s arguments as it needs them, or the ValueError it documents."""
     bad = [s for s in strategies if s not in ALL_STRATEGIES]
     if bad or not strategies:
         raise ValueError(
@@ -541,81 +585,118 @@ def simulate(
     if batches < 1 or min(dp) < 1 or min(ga) < 1:
         raise ValueError("simulate: batches, dp and ga must be >= 1")
     _check_table(table)
-    cost_model = cost_model or CostModel()
-    exchange = exchange or ExchangeModel()
-    overhead = step_overhead or StepOverhead()
-    sync_objective = "step" if sync_every == "step" else "microstep"  # how step time adds up
-    plan = (rebalance or RebalanceConfig()).resolved(
-        sync_every_micro_batch=sync_every == "microstep"
-    )
-    rows: list[dict[str, Any]] = []
-    pools: dict[tuple[str, int], _Pool] = {}
 
-    def pool(packer: str, world: int) -> _Pool:
-        key = (packer, world if replay else 1)
-        if key not in pools:
+
+class _PoolCache:
+    """The pack pools of one :func:`simulate` call, each built once, when first asked for:
+    one per packer, and per data-parallel size only in replay mode (drawn batches use one
+    pool of the whole mix for every ``dp``)."""
+
+    def __init__(
+        self,
+        table: LengthTable,
+        seq_len: int,
+        cost_model: CostModel,
+        exchange: ExchangeModel,
+        seed: int,
+        replay: bool,
+        image_budget: int | None,
+        stream_buffer: int | None,
+    ) -> None:
+        self.table = table
+        self.seq_len = seq_len
+        self.cost_model = cost_model
+        self.exchange = exchange
+        self.seed = seed
+        self.replay = replay
+        self.image_budget = image_budget
+        self.stream_buffer = stream_buffer
+        self._pools: dict[tuple[str, int], _Pool] = {}
+
+    def get(self, packer: str, world: int) -> _Pool:
+        """The pool of ``packer`` (``"greedy"`` or ``"budget"``) for ``world`` ranks."""
+        key = (packer, world if self.replay else 1)
+        if key not in self._pools:
             budget = None
             if packer == "budget":
-                budget = image_budget or _default_budget(pool("greedy", world))
-            pools[key] = _Pool(
-                table,
-                seq_len,
-                cost_model,
-                exchange,
+                budget = self.image_budget or _default_budget(self.get("greedy", world))
+            self._pools[key] = _Pool(
+                self.table,
+                self.seq_len,
+                self.cost_model,
+                self.exchange,
                 key[1],
-                seed,
+                self.seed,
                 packer,
                 budget,
-                stream_buffer=stream_buffer if packer == "greedy" else None,
+                stream_buffer=self.stream_buffer if packer == "greedy" else None,
             )
-        return pools[key]
+        return self._pools[key]
 
-    for R in dp:
-        for G in ga:
-            group = []
-            source: _SourcePool | None = None
-            for strategy in strategies:
-                if strategy in ("source", "encoder_source") and source is not None:
-                    p, draws = source, source.draws
-                elif strategy in ("source", "encoder_source"):  # off's samples, re-formed
-                    greedy = pool("greedy", R)
-                    rows_of_off = greedy.table_rows(
-                        _draws(greedy, R, G, batches, seed, replay, replay_skip)
-                    )
-                    p = source = _SourcePool(
-                        table,
-                        rows_of_off,
-                        seq_len,
-                        cost_model,
-                        exchange,
-                        R,
-                        G,
-                        seed,
-                        plan.objective,
-                    )
-                    draws = p.draws
-                else:
-                    p = pool("budget" if strategy == "budget" else "greedy", R)
-                    draws = _draws(p, R, G, batches, seed, replay, replay_skip)
-                row = _run(
-                    strategy,
-                    p,
-                    draws,
-                    R,
-                    G,
-                    sync_objective,
-                    plan,
-                    exchange,
-                    overhead(R),
-                    progress,
-                )
-                row["samples"] = "own" if strategy == "budget" else "off"
-                if stream_buffer is not None and strategy not in ("budget", "source"):
-                    row["stream_tail_frac"] = stream_padding_share(p.stream_counts, G)
-                group.append(row)
-            _add_gains(group, pool("greedy", R).cost_ms, R, G, sync_every)
-            rows.extend(group)
-    return rows
+
+def _configuration_rows(
+    pools: _PoolCache,
+    R: int,
+    G: int,
+    strategies: Sequence[str],
+    *,
+    batches: int,
+    replay_skip: int,
+    sync_every: str,
+    plan: RebalanceConfig,
+    overhead_ms: float,
+    progress: Callable[[int], Any] | None,
+) -> list[dict[str, Any]]:
+    """The rows of every strategy at one ``(dp, ga) = (R, G)``, with their gains over ``off``.
+    ``source`` and ``encoder_source`` share one source pool, formed from ``off``'s samples."""
+    sync_objective = "step" if sync_every == "step" else "microstep"  # how step time adds up
+    group = []
+    source: _SourcePool | None = None
+    for strategy in strategies:
+        if strategy in ("source", "encoder_source") and source is not None:
+            p, draws = source, source.draws
+        elif strategy in ("source", "encoder_source"):  # off's samples, re-formed
+            greedy = pools.get("greedy", R)
+            rows_of_off = greedy.table_rows(
+                _draws(greedy, R, G, batches, pools.seed, pools.replay, replay_skip)
+            )
+            p = source = _SourcePool(
+                pools.table,
+                rows_of_off,
+                pools.seq_len,
+                pools.cost_model,
+                pools.exchange,
+                R,
+                G,
+                pools.seed,
+                plan.objective,
+            )
+            draws = p.draws
+        else:
+            p = pools.get("budget" if strategy == "budget" else "greedy", R)
+            draws = _draws(p, R, G, batches, pools.seed, pools.replay, replay_skip)
+        row = _run(
+            strategy,
+            p,
+            draws,
+            R,
+            G,
+            sync_objective,
+            plan,
+            pools.exchange,
+            overhead_ms,
+            progress,
+        )
+        row["samples"] = "own" if strategy == "budget" else "off"
+        if pools.stream_buffer is not None and strategy not in (
+            "budget",
+            "source",
+            "encoder_source",
+        ):
+            row["stream_tail_frac"] = stream_padding_share(p.stream_counts, G)
+        group.append(row)
+    _add_gains(group, pools.get("greedy", R).cost_ms, R, G, sync_every)
+    return group
 
 
 def _check_table(table: LengthTable) -> None:

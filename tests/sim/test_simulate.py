@@ -69,6 +69,9 @@ def test_a_streamed_mix_packs_each_ranks_shard_and_rebalances_like_the_map_style
     assert 0 <= by["off"]["stream_tail_frac"] < 0.05 and "stream_tail_frac" not in rows["off"]
     assert by["overlap"]["waste_frac"] < 0.2 * by["off"]["waste_frac"]
     assert by["overlap"]["waste_frac"] < 2 * rows["overlap"]["waste_frac"] + 0.01
+    # the source formers take no stream: their rows have no tail (one raised AttributeError)
+    sourced = simulate(_mix(), strategies=["source", "encoder_source"], stream_buffer=256, **kwargs)
+    assert all("stream_tail_frac" not in r for r in sourced)
 
 
 def test_closed_form_laws() -> None:
