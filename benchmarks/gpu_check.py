@@ -791,7 +791,8 @@ def part_collectives(smoke: bool) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     timer = StepTimer(device_clock="cuda" if cuda else "cpu")
-    registered = time_collectives(timer)
+    timed = time_collectives(timer, model)
+    registered = timed is not None
     x = torch.randn(4096 if cuda else 16, width, device=device)
     steps = 6
     walls = []
@@ -815,7 +816,8 @@ def part_collectives(smoke: bool) -> dict:
         torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
     resolved = timer.drain()
-    time_collectives(timer, on=False)
+    if timed is not None:
+        timed.remove()
     dist.destroy_process_group()
     calls = [len(r.collective_calls_ms) for r in resolved]
     waits = [r.phases_ms["collective_wait"] for r in resolved]

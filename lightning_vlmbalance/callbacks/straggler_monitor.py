@@ -27,7 +27,7 @@ from lightning_vlmbalance.timing import (
     custom_scalars_layout,
     timed_comm_hook,
 )
-from lightning_vlmbalance.timing.collectives import time_collectives
+from lightning_vlmbalance.timing.collectives import TimedCollectives, time_collectives
 from lightning_vlmbalance.timing.timer import HOST
 
 __all__ = ["StragglerMonitor", "TimedStepsListener"]
@@ -168,7 +168,7 @@ class StragglerMonitor(Callback):
         self._handles: list[Any] = []
         self._seam_trainer: L.Trainer | None = None
         self._restore_hook: tuple[DDPStrategy, Any] | None = None
-        self._timing_collectives: StepTimer | None = None  # the timer given to FSDP2's collectives
+        self._timing_collectives: TimedCollectives | None = None  # FSDP2's, timed
         self._last_step = 0
         self._failed = False
         self._fitting = False  # from on_train_start to the end of fit: checkpoints gather
@@ -220,8 +220,7 @@ class StragglerMonitor(Callback):
         self._register_cpu_comm_hook(trainer)
         # FSDP2's all-gathers and reduce-scatters (a no-op for DDP): ``collective_wait``. (The
         # returns of encoder balancing are timed by the strategy's channel, with this timer.)
-        time_collectives(self.timer)
-        self._timing_collectives = self.timer
+        self._timing_collectives = time_collectives(self.timer, pl_module)
         directory = Path(self.jsonl_dir) if self.jsonl_dir else None
         if directory is None:
             log_dir = trainer.log_dir  # a broadcast from rank 0: every rank calls it here
@@ -402,7 +401,7 @@ class StragglerMonitor(Callback):
         # its start; `validate(ckpt_path=...)` restores it too): never to a later fit
         self._listener_states = {}
         if self._timing_collectives is not None:
-            time_collectives(self._timing_collectives, on=False)
+            self._timing_collectives.remove()
             self._timing_collectives = None
         for handle in self._handles:
             handle.remove()

@@ -19,7 +19,10 @@ reduce-scatter streams: the timer's CUDA events, recorded on the compute stream 
 each call, measure how long that stream stalled (plus the copy-out kernels queued there), read
 later without a host synchronisation. The CUDA path has not run on a GPU yet.
 
-The wrap is installed while at least one timer is registered and removed with the last one.
+The wrap is per model: :func:`time_collectives` wraps the methods of the parameter groups of
+one model's FSDP2 modules (instance attributes over the class's methods), with the timer it is
+given, and the handle it returns removes them. Another model in the process (a frozen teacher,
+a second fit's model) is not timed, and nothing is kept at module level.
 """
 
 from __future__ import annotations
@@ -31,75 +34,77 @@ from typing import Any
 
 from lightning_vlmbalance.timing.timer import COLLECTIVE_WAIT, wait_phase
 
-__all__ = ["time_collectives"]
+__all__ = ["TimedCollectives", "time_collectives"]
 
 log = logging.getLogger(__name__)
 
 # FSDP2's parameter-group methods where a rank blocks on its group (torch private API)
 _METHODS = ("unshard", "wait_for_unshard", "post_backward", "finalize_backward")
-_TIMERS: list[Any] = []
-_ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
-def time_collectives(timer: Any, *, on: bool = True) -> bool:
-    """Times FSDP2's collectives as ``collective_wait`` of ``timer`` (a
-    :class:`~lightning_vlmbalance.timing.StepTimer`: host clock on the CPU, CUDA events on the
-    compute stream on a GPU), or stops that with ``on=False``. Returns whether ``timer`` is
-    registered now.
+class TimedCollectives:
+    """The wraps :func:`time_collectives` installed on one model's FSDP2 parameter groups."""
+
+    def __init__(self, groups: list[Any]) -> None:
+        self.groups = groups
+
+    def remove(self) -> None:
+        """Restores the groups' own methods (the class's)."""
+        for group in self.groups:
+            for name in _METHODS:
+                group.__dict__.pop(name, None)
+        self.groups = []
+
+
+def time_collectives(timer: Any, module: Any = None) -> TimedCollectives | None:
+    """Times the collectives of ``module``'s FSDP2 parameter groups as ``collective_wait`` of
+    ``timer`` (a :class:`~lightning_vlmbalance.timing.StepTimer`: host clock on the CPU, CUDA
+    events on the compute stream on a GPU). Returns the handle that stops it
+    (:meth:`TimedCollectives.remove`), or ``None`` where ``module`` has no FSDP2 module (plain
+    DDP) or this torch's FSDP2 lacks the methods (warned).
+
+    Raises:
+        TypeError: without ``module`` (the timing was process-wide before; it is per model).
     """
-    if not on:
-        if timer in _TIMERS:
-            _TIMERS.remove(timer)
-        if not _TIMERS:
-            _unpatch()
-        return False
-    if timer not in _TIMERS:
-        if not _patch():
-            return False
-        _TIMERS.append(timer)
-    return True
-
-
-def _group_class() -> Any:
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    except ImportError:
+    if module is None:
+        raise TypeError(
+            "time_collectives(timer, module): give the model whose FSDP2 collectives are timed"
+            " (and call `.remove()` on the handle it returns to stop)"
+        )
+    groups = [g for m in module.modules() for g in _param_groups(m)]
+    if not groups:
         return None
-    return FSDPParamGroup
-
-
-def _patch() -> bool:
-    if _ORIGINALS:
-        return True
-    cls = _group_class()
-    missing = [m for m in _METHODS if cls is None or not callable(getattr(cls, m, None))]
+    missing = [m for m in _METHODS if not callable(getattr(groups[0], m, None))]
     if missing:
         log.warning(
             "lightning_vlmbalance: this torch's FSDP2 has no %s: the waits inside FSDP's"
             " collectives are not timed (collective_wait stays 0)",
             missing,
         )
-        return False
-    for name in _METHODS:
-        original = getattr(cls, name)
-        _ORIGINALS[name] = original
-        setattr(cls, name, _wrapped(original))
-    return True
+        return None
+    for group in groups:
+        for name in _METHODS:
+            setattr(group, name, _wrapped(getattr(group, name), timer))
+    return TimedCollectives(groups)
 
 
-def _unpatch() -> None:
-    cls = _group_class()
-    for name, original in _ORIGINALS.items():
-        setattr(cls, name, original)
-    _ORIGINALS.clear()
+def _param_groups(module: Any) -> list[Any]:
+    """The FSDP2 parameter groups of ``module`` itself (not its children)."""
+    state_of = getattr(module, "_get_fsdp_state", None)
+    if not callable(state_of):
+        return []
+    state = state_of()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch before the list of groups: one group or none
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
 
 
-def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _TIMERS:
-            return original(self, *args, **kwargs)
-        with wait_phase(_TIMERS, COLLECTIVE_WAIT):
-            return original(self, *args, **kwargs)
+def _wrapped(bound: Callable[..., Any], timer: Any) -> Callable[..., Any]:
+    @functools.wraps(bound)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        with wait_phase([timer], COLLECTIVE_WAIT):
+            return bound(*args, **kwargs)
 
     return timed
