@@ -41,12 +41,10 @@ batch: its plan and exchange are done by then):
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -67,6 +65,7 @@ from lightning_vlmbalance.balance.calibration_listener import CalibrationListene
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.encoder import ReturnChannel
+from lightning_vlmbalance.balance.groups import ExchangeGroups
 from lightning_vlmbalance.balance.model_schedule import ModelSchedule
 from lightning_vlmbalance.callbacks.straggler_monitor import StragglerMonitor
 from lightning_vlmbalance.loaders.map_style import PackedDataLoader
@@ -77,7 +76,6 @@ from lightning_vlmbalance.preemption import SigtermAgreement, WorkersIgnoreSigte
 
 __all__ = ["FSDPVLMBalanceStrategy", "Rebalancer", "VLMBalanceStrategy"]
 
-log = logging.getLogger(__name__)
 
 _STRATEGY_NAMES = ("vlmbalance", "ddp_vlmbalance")
 _BALANCE_METRICS = ("moved_packs", "planned_waste_frac", "exchange_ms", "exposed_exchange_ms")
@@ -130,10 +128,7 @@ class Rebalancer:
         self.sync_every_micro_batch = sync_every_micro_batch
         self.gpu_payloads = gpu_payloads
         self.loader: RebalancingLoader | None = None
-        self._exchange_group: dist.ProcessGroup | None = None
-        self._payload_group: dist.ProcessGroup | None = None
-        self._group_ranks: list[int] | None = None  # global ranks of the exchange group
-        self._encoder_group: dist.ProcessGroup | None = None  # the embeddings' return
+        self.groups = ExchangeGroups()  # made at setup_groups, destroyed at teardown
         # encoder balancing's return: its group, the monitor's timer, the micro-batch's returns
         self.returns = ReturnChannel()
         self.source_balanced = False  # the training loader's sampler balances at the source
@@ -152,18 +147,13 @@ class Rebalancer:
         self._wrapped_at_step = 0
 
     def setup_groups(self) -> None:
-        """After the world process group (and the device mesh) exist: the exchange's own groups.
-
-        With tensor parallelism the data-parallel group is smaller than the world: the ranks of
-        one tensor-parallel group compute the same packs, so plans and exchanges run among the
-        data-parallel peers that share a tensor-parallel rank, one group per tensor-parallel rank
-        (every rank creates every group, in the same order, as ``new_group`` requires).
-        """
+        """After the world process group (and the device mesh) exist: the exchange's own groups
+        (:class:`~lightning_vlmbalance.balance.groups.ExchangeGroups`), among the data-parallel
+        peers of each tensor-parallel rank."""
         parallel = data_parallel_world(self.strategy)
         world, size = parallel.world_size, parallel.size
         if world <= 1:
             return
-        timeout = timedelta(seconds=self.config.exchange_timeout_s)
         if size == world:
             peer_groups = [list(range(world))]
         else:
@@ -171,32 +161,14 @@ class Rebalancer:
             peer_groups = mesh.reshape(size, -1).T.tolist()
         device = self.strategy.root_device
         gpu = self.gpu_payloads and device.type == "cuda" and dist.get_backend() == "nccl"
-        me = parallel.global_rank
-        for ranks in peer_groups:
-            whole = len(ranks) == world
-            # a process group of its own: the exchange never interleaves with the gradient sync
-            group = dist.new_group(ranks=None if whole else ranks, backend="gloo", timeout=timeout)
-            # payloads travel GPU to GPU on an NCCL group of their own, on a side stream
-            payload = (
-                dist.new_group(ranks=None if whole else ranks, backend="nccl", timeout=timeout)
-                if gpu
-                else None
-            )
-            # the image embeddings return in the training step, on a group of their own (the
-            # exchange thread may be in a collective on ``group`` meanwhile)
-            encoder = (
-                dist.new_group(
-                    ranks=None if whole else ranks,
-                    backend="nccl" if gpu else "gloo",
-                    timeout=timeout,
-                )
-                if self.config.encoder
-                else None
-            )
-            if me in ranks:
-                self._exchange_group, self._payload_group = group, payload
-                self._encoder_group = self.returns.group = encoder
-                self._group_ranks = None if whole else [int(r) for r in ranks]
+        self.groups = ExchangeGroups.create(
+            peer_groups,
+            parallel.global_rank,
+            timeout_s=self.config.exchange_timeout_s,
+            gpu_payloads=gpu,
+            encoder=self.config.encoder,
+        )
+        self.returns.group = self.groups.encoder
 
     def setup(self, trainer: Any) -> None:
         self._wrapped_for = None
@@ -301,18 +273,18 @@ class Rebalancer:
             micro_steps=step.micro_steps,
             world_size=step.world.size,
             rank=step.world.rank,
-            group=self._exchange_group,
-            group_ranks=self._group_ranks,
+            group=self.groups.exchange,
+            group_ranks=self.groups.ranks,
             models=self.models,
             first_step=trainer.global_step,
             config=config,
-            payload_group=self._payload_group,
-            device=self.strategy.root_device if self._payload_group is not None else None,
+            payload_group=self.groups.payload,
+            device=self.strategy.root_device if self.groups.payload is not None else None,
             epoch_batches=lambda: trainer.num_training_batches,
             # the training loop's position: a loader that cannot resume starts again from its
             # first batch, while the loop counts on from the checkpoint's
             epoch_position=lambda: seam.resume_position(trainer),
-            encoder_group=self._encoder_group,
+            encoder_group=self.groups.encoder,
             returns=self.returns,
         )
         return self.loader
@@ -408,15 +380,8 @@ class Rebalancer:
             # stop the pass (and its collectives) before the exchange group goes away
             self.loader.close()
         self.loader = None
-        for group in (self._encoder_group, self._payload_group, self._exchange_group):
-            if group is not None and dist.is_initialized():
-                try:
-                    dist.destroy_process_group(group)
-                except (RuntimeError, ValueError) as err:  # pragma: no cover - best effort
-                    log.debug("could not destroy an exchange group: %s", err)
-        self._exchange_group = self._payload_group = self._encoder_group = None
+        self.groups.destroy()
         self.returns = ReturnChannel()
-        self._group_ranks = None
 
 
 def _config_from(
