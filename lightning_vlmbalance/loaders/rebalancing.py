@@ -149,6 +149,29 @@ class _Pass:
                 continue
         return False
 
+    def taken(self, timeout_s: float, rank: int) -> Iterator[tuple[list[Any], dict[str, float]]]:
+        """The prepared global batches in order, each ``(packs, statistics)`` with the time the
+        consumer waited for it (``exposed_exchange_ms``); a failure of the producer is raised
+        here, in the consumer's thread."""
+        while True:
+            start = time.perf_counter()
+            try:
+                item = self.ready.get(timeout=timeout_s)
+            except queue.Empty:
+                raise ExchangeError(
+                    f"no rebalanced global batch within exchange_timeout_s={timeout_s:g}"
+                    f" (rank {rank})"
+                ) from None
+            waited_ms = (time.perf_counter() - start) * 1e3
+            self.permits.release()  # taken: the producer may prepare the next one
+            if item is _END:
+                return
+            if isinstance(item, _Failure):
+                raise item.error
+            ready, stats = item
+            stats["exposed_exchange_ms"] = waited_ms
+            yield ready, stats
+
     def shutdown(self, timeout_s: float) -> None:
         self.stop.set()
         while True:  # unblock a producer waiting to put
@@ -162,7 +185,51 @@ class _Pass:
             log.warning("the vlmbalance exchange thread did not stop; it is a daemon thread")
 
 
-class RebalancingLoader:
+class _LooksLikeItsLoader:
+    """What Lightning reads of a training loader, forwarded to the wrapped ``loader``: its
+    length; ``sampler`` / ``batch_sampler`` (``_set_sampler_epoch`` calls their
+    ``set_epoch``); ``dataset`` (``has_iterable_dataset``); ``worker_init_fn``
+    (``seed_everything(workers=True)`` sets it); ``_iterator`` (teardown shuts down its
+    workers). Nothing else is forwarded."""
+
+    loader: Any
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def dataset(self) -> Any:
+        return getattr(self.loader, "dataset", None)
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.loader, "sampler", None)
+
+    @property
+    def batch_sampler(self) -> Any:
+        return getattr(self.loader, "batch_sampler", None)
+
+    @property
+    def _iterator(self) -> Any:
+        return getattr(self.loader, "_iterator", None)
+
+    @_iterator.setter
+    def _iterator(self, value: Any) -> None:
+        if hasattr(self.loader, "_iterator"):
+            self.loader._iterator = value
+
+    @property
+    def worker_init_fn(self) -> Any:
+        """The inner loader's (Lightning sets it for ``seed_everything(workers=True)``: the
+        workers that run are the inner loader's)."""
+        return self.loader.worker_init_fn  # type: ignore[attr-defined]
+
+    @worker_init_fn.setter
+    def worker_init_fn(self, fn: Any) -> None:
+        self.loader.worker_init_fn = fn  # type: ignore[attr-defined]
+
+
+class RebalancingLoader(_LooksLikeItsLoader):
     """Yields the packs of each global batch in planned order (see the module docstring).
 
     Args:
@@ -287,9 +354,6 @@ class RebalancingLoader:
         # before the checkpoint) are not handed on
         self._lead = 0
 
-    def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
-
     @property
     def mode(self) -> str:
         return self.config.mode
@@ -306,43 +370,6 @@ class RebalancingLoader:
 
     def __getnewargs_ex__(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (self.loader,), {}  # a copy picks its class as the original did
-
-    # -- what Lightning reads of a training loader: the inner loader's -----------------------
-    # (``_set_sampler_epoch`` calls ``sampler`` / ``batch_sampler``'s ``set_epoch``;
-    # ``has_iterable_dataset`` reads ``dataset``; ``seed_everything(workers=True)`` sets
-    # ``worker_init_fn``; teardown shuts down the workers of ``_iterator``.) Nothing else is
-    # forwarded.
-
-    @property
-    def dataset(self) -> Any:
-        return getattr(self.loader, "dataset", None)
-
-    @property
-    def sampler(self) -> Any:
-        return getattr(self.loader, "sampler", None)
-
-    @property
-    def batch_sampler(self) -> Any:
-        return getattr(self.loader, "batch_sampler", None)
-
-    @property
-    def _iterator(self) -> Any:
-        return getattr(self.loader, "_iterator", None)
-
-    @_iterator.setter
-    def _iterator(self, value: Any) -> None:
-        if hasattr(self.loader, "_iterator"):
-            self.loader._iterator = value
-
-    @property
-    def worker_init_fn(self) -> Any:
-        """The inner loader's (Lightning sets it for ``seed_everything(workers=True)``: the
-        workers that run are the inner loader's)."""
-        return self.loader.worker_init_fn  # type: ignore[attr-defined]
-
-    @worker_init_fn.setter
-    def worker_init_fn(self, fn: Any) -> None:
-        self.loader.worker_init_fn = fn  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[Any]:
         overlapped = self.mode == "overlap" and self.world_size > 1
@@ -461,23 +488,7 @@ class RebalancingLoader:
         current = _Pass(self, itertools.chain([first], batches_iter))
         self._pass = current
         try:
-            while True:
-                start = time.perf_counter()
-                try:
-                    item = current.ready.get(timeout=self.exchange_timeout_s)
-                except queue.Empty:
-                    raise ExchangeError(
-                        f"no rebalanced global batch within exchange_timeout_s="
-                        f"{self.exchange_timeout_s:g} (rank {self.rank})"
-                    ) from None
-                waited_ms = (time.perf_counter() - start) * 1e3
-                current.permits.release()  # taken: the producer may prepare the next one
-                if item is _END:
-                    return
-                if isinstance(item, _Failure):
-                    raise item.error
-                ready, stats = item
-                stats["exposed_exchange_ms"] = waited_ms
+            for ready, stats in current.taken(self.exchange_timeout_s, self.rank):
                 self._record(stats)
                 yield from ready
         finally:
@@ -496,11 +507,6 @@ class RebalancingLoader:
     # -- one global batch: the former's ------------------------------------------------------
 
     @property
-    def models(self) -> ModelSchedule:
-        """The cost models this loader plans with, by optimizer step."""
-        return self.former.models
-
-    @property
     def cost_model(self) -> CostModel:
         """The newest cost model of the schedule (the one planning the batches formed next)."""
         return self.former.models.latest
@@ -509,9 +515,6 @@ class RebalancingLoader:
         """Plans with ``model`` from the ``from_batch``-th global batch this loader forms
         (counted from 0 across passes; its optimizer step in the schedule)."""
         self.former.models.adopt(model, self.former.first_step + int(from_batch))
-
-    def _model_for_next_batch(self) -> CostModel:
-        return self.former.model_for_next_batch()
 
     @property
     def planned_batches(self) -> int:

@@ -241,7 +241,7 @@ def test_a_resume_plans_its_first_global_batch_with_the_checkpoints_model() -> N
     )
     checkpointed = _scaled(CostModel(), 2.0, 2.0)
     assert rebalancer.adopt(checkpointed, global_step=40) == 0
-    assert rebalancer.loader._model_for_next_batch() == checkpointed
+    assert rebalancer.loader.former.model_for_next_batch() == checkpointed
 
 
 def test_records_with_no_time_at_all_are_skipped() -> None:
