@@ -11,24 +11,14 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import features_from_meta
+from lightning_vlmbalance.callbacks._monitor_hooks import _TimingHooks
 from lightning_vlmbalance.callbacks._options import checked_log_every_n_steps
 from lightning_vlmbalance.parallel import DataParallelWorld, data_parallel_world
-from lightning_vlmbalance.timing import (
-    LIGHTNING_SYNC,
-    StepTimer,
-    StragglerRecorder,
-    custom_scalars_layout,
-    timed_comm_hook,
-)
-from lightning_vlmbalance.timing.collectives import TimedCollectives, time_collectives
-from lightning_vlmbalance.timing.timer import HOST
+from lightning_vlmbalance.timing import StepTimer, StragglerRecorder, custom_scalars_layout
 
 __all__ = ["StragglerMonitor", "TimedStepsListener"]
 
@@ -59,16 +49,33 @@ class TimedStepsListener(Protocol):
         ...
 
 
-_VISION_NAMES = (
-    "vision",
-    "vision_tower",
-    "vision_model",
-    "visual",
-    "vision_encoder",
-    "image_encoder",
-    "vit",
-)
-_LLM_NAMES = ("llm", "language_model", "text_model", "lm", "decoder")
+class _Listeners:
+    """The listeners fed the timed steps of one fit (:meth:`StragglerMonitor.subscribe`), and
+    the listener states a checkpoint restored, each kept until its listener starts."""
+
+    def __init__(self) -> None:
+        self.subscribed: list[TimedStepsListener] = []
+        self.restored: dict[str, Any] = {}  # from a checkpoint, by state_key
+
+    def add(self, listener: TimedStepsListener) -> None:
+        """Subscribes ``listener`` once, however often it is added."""
+        if listener not in self.subscribed:
+            self.subscribed.append(listener)
+
+    def start(self, world: DataParallelWorld, global_step: int) -> None:
+        """Starts every listener, each with its restored state (consumed) if there is one."""
+        for listener in self.subscribed:
+            state = self.restored.pop(listener.state_key, None)
+            listener.start(world, global_step, state)
+
+    def end(self) -> None:
+        """Ends every listener (training ended: they join their threads)."""
+        for listener in self.subscribed:
+            listener.end()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every listener's state, by its ``state_key``."""
+        return {listener.state_key: listener.state_dict() for listener in self.subscribed}
 
 
 class StragglerMonitor(Callback):
@@ -165,16 +172,12 @@ class StragglerMonitor(Callback):
         self.jsonl_dir = jsonl_dir
         self.recorder = StragglerRecorder()
         self.jsonl_path: Path | None = None
-        self._handles: list[Any] = []
-        self._seam_trainer: L.Trainer | None = None
-        self._restore_hook: tuple[DDPStrategy, Any] | None = None
-        self._timing_collectives: TimedCollectives | None = None  # FSDP2's, timed
+        self._hooks = _TimingHooks()  # into the model, the optimizers, the loop, DDP, FSDP2
         self._last_step = 0
         self._failed = False
         self._fitting = False  # from on_train_start to the end of fit: checkpoints gather
         # fed the timed steps (the rebalancing strategies' online calibration subscribes)
-        self._listeners: list[TimedStepsListener] = []
-        self._listener_states: dict[str, Any] = {}  # from a checkpoint, by state_key
+        self._listeners = _Listeners()
 
     @property
     def timer(self) -> StepTimer:
@@ -194,105 +197,17 @@ class StragglerMonitor(Callback):
         # listeners subscribe per fit (a strategy's, in its own setup, which comes after this
         # one): those of an earlier fit are fed no more (their state stayed in the checkpoints
         # saved after that fit)
-        self._listeners.clear()
+        self._listeners.subscribed.clear()
         self.recorder.use_clock("cuda" if trainer.strategy.root_device.type == "cuda" else "cpu")
-        strategy = trainer.strategy
-        if isinstance(strategy, DDPStrategy) and strategy.root_device.type == "cuda":
-            # Lightning registers the strategy's comm hook on CUDA in strategy.setup(), which
-            # runs after this hook: wrap the user's hook (or the default) in place
-            user_hook = seam.ddp_comm_hook(strategy)
-            self._restore_hook = (strategy, user_hook)
-            seam.set_ddp_comm_hook(strategy, timed_comm_hook(self.timer.mark_sync_entry, user_hook))
+        self._hooks.wrap_strategy_comm_hook(trainer.strategy, self.timer)
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._failed = False
-        vision = _resolve_module(pl_module, self.vision_module, _VISION_NAMES, "vision_module")
-        llm = _resolve_module(pl_module, self.llm_module, _LLM_NAMES, "llm_module")
-        for module, phase in ((vision, "vision_fwd"), (llm, "llm_fwd")):
-            if module is not None:
-                self._hook_forward(trainer, module, phase)
-        for optimizer in trainer.optimizers:
-            self._handles.append(
-                optimizer.register_step_post_hook(lambda *_: self.timer.stop("optimizer"))
-            )
-        self._patch_loop(trainer)
-        self._register_cpu_comm_hook(trainer)
-        # FSDP2's all-gathers and reduce-scatters (a no-op for DDP): ``collective_wait``. (The
-        # returns of encoder balancing are timed by the strategy's channel, with this timer.)
-        self._timing_collectives = time_collectives(self.timer, pl_module)
-        directory = Path(self.jsonl_dir) if self.jsonl_dir else None
-        if directory is None:
-            log_dir = trainer.log_dir  # a broadcast from rank 0: every rank calls it here
-            directory = Path(log_dir or trainer.default_root_dir) / "straggler"
-        directory.mkdir(parents=True, exist_ok=True)
-        rank = data_parallel_world(trainer.strategy).global_rank
-        self.jsonl_path = directory / f"rank_{rank}.jsonl"  # opened at train start
+        self._hooks.install(trainer, pl_module, self.timer, self.vision_module, self.llm_module)
+        self.jsonl_path = _jsonl_path(trainer, self.jsonl_dir)  # opened at train start
         if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_custom_scalars(custom_scalars_layout())
-
-    def _hook_forward(self, trainer: L.Trainer, module: nn.Module, phase: str) -> None:
-        timer = self.timer
-
-        def pre(mod: nn.Module, args: Any) -> None:
-            # not during validation, nor a recomputation inside backward (checkpointing)
-            if trainer.training and not seam.in_backward():
-                timer.start(phase)
-
-        def post(mod: nn.Module, args: Any, out: Any) -> None:
-            timer.stop(phase)
-
-        self._handles.append(module.register_forward_pre_hook(pre))
-        self._handles.append(module.register_forward_hook(post))
-
-    def _patch_loop(self, trainer: L.Trainer) -> None:
-        """Times Lightning's data fetch and its per-micro-batch sync point (the SIGTERM-flag
-        broadcast, or the strategy's replacement of it)."""
-        timer = self.timer
-
-        def timed_sync_point(sync: Any) -> None:
-            if timer.sync_point_is_between():
-                # the step's first sync point, or the first after a pause inside the step: it
-                # waits for whatever the ranks did outside training (validation, a save)
-                t0 = HOST.mark()
-                try:
-                    sync()
-                finally:
-                    timer.between_steps(HOST.elapsed_ms(t0, HOST.mark()))
-                return
-            timer.start(LIGHTNING_SYNC, host=True)
-            try:
-                sync()
-            finally:
-                timer.stop(LIGHTNING_SYNC)
-
-        loop = seam.loop_seam(trainer)
-
-        def before_fetch() -> None:
-            timer.resume()  # training goes on (one rank: there is no sync point)
-            timer.start("data", host=True)
-
-        loop.on_fetch(self, before_fetch, lambda: timer.stop("data"))
-        loop.wrap_sync_point(self, timed_sync_point)
-        self._seam_trainer = trainer
-
-    def _register_cpu_comm_hook(self, trainer: L.Trainer) -> None:
-        strategy, model = trainer.strategy, trainer.strategy.model
-        if not isinstance(model, DistributedDataParallel) or strategy.root_device.type == "cuda":
-            return
-        # Lightning registers a strategy's comm hook only on CUDA; on the CPU DDP runs its plain
-        # all-reduce, so that is what we wrap (enabling the user's hook would change the math)
-        hook = timed_comm_hook(self.timer.mark_sync_entry)
-        try:
-            model.register_comm_hook(state=getattr(model, "process_group", None), hook=hook)
-        except RuntimeError as err:  # a hook is registered already: we cannot wrap it here
-            log.warning(
-                "StragglerMonitor could not add its timing comm hook (%s); the all-reduce wait"
-                " is counted in `backward` instead of `sync_wait`.",
-                err,
-            )
+            _add_custom_scalars(trainer)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -300,9 +215,7 @@ class StragglerMonitor(Callback):
         self._last_step = trainer.global_step
         self._every = _log_interval(trainer, self.log_every_n_steps)
         world = data_parallel_world(trainer.strategy)  # every process: one line per rank
-        for listener in self._listeners:
-            state = self._listener_states.pop(listener.state_key, None)
-            listener.start(world, trainer.global_step, state)
+        self._listeners.start(world, trainer.global_step)
         self.recorder.start(
             self.jsonl_path,
             trainer.global_step,
@@ -356,9 +269,10 @@ class StragglerMonitor(Callback):
         self.timer.end_step(trainer.global_step, trainer.current_epoch)
         resolved = self.recorder.collect()
         if self._every and trainer.global_step % self._every == 0:  # where Lightning logs
-            self._gather_and_log(trainer)
-        for listener in self._listeners:
-            self._log(trainer, listener.on_timed_steps(resolved, trainer.global_step))
+            _gather(trainer, self.recorder)
+            _log(trainer, self.recorder.metrics())  # means since the last log point
+        for listener in self._listeners.subscribed:
+            _log(trainer, listener.on_timed_steps(resolved, trainer.global_step))
 
     @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -371,14 +285,13 @@ class StragglerMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for listener in self._listeners:
-            listener.end()
+        self._listeners.end()
         if self._failed or not self.enabled:
             return
         self.recorder.synchronize()  # once, at the end: resolve the last steps' events
-        self._gather(trainer)  # every rank gets here: gather what is left
+        _gather(trainer, self.recorder)  # every rank gets here: gather what is left
         if self._every:  # a log point for the steps since the last one
-            self._log(trainer, self.recorder.metrics())
+            _log(trainer, self.recorder.metrics())
 
     @override
     def on_exception(
@@ -388,6 +301,7 @@ class StragglerMonitor(Callback):
         # the JSON lines written so far (the steps before a crash are the ones worth reading)
         self._failed = True
         self._fitting = False
+        self._listeners.end()  # a refit in flight is joined, as at the end of training
         self.recorder.abort()
         self._cleanup()
 
@@ -399,19 +313,8 @@ class StragglerMonitor(Callback):
         self._fitting = False
         # a restored listener state belongs to the run that restored it (a fit consumes it at
         # its start; `validate(ckpt_path=...)` restores it too): never to a later fit
-        self._listener_states = {}
-        if self._timing_collectives is not None:
-            self._timing_collectives.remove()
-            self._timing_collectives = None
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        if self._seam_trainer is not None:
-            seam.leave_loop_seam(self._seam_trainer, self)
-            self._seam_trainer = None
-        if self._restore_hook is not None:
-            seam.set_ddp_comm_hook(*self._restore_hook)
-            self._restore_hook = None
+        self._listeners.restored = {}
+        self._hooks.remove()
         self.recorder.close()
 
     @property
@@ -424,42 +327,18 @@ class StragglerMonitor(Callback):
     def enabled(self, value: bool) -> None:
         self.recorder.enabled = value
 
-    # -- gathering -----------------------------------------------------------------------------
-    def _gather(self, trainer: L.Trainer) -> None:
-        """Adds every rank's steps since the last gather to the recorder's totals. A
-        collective: every rank calls it at the same point (a log point, a checkpoint save, the
-        end of training)."""
-        strategy = trainer.strategy
-        # one small all-gather through the strategy (the only collective the monitor adds)
-        self.recorder.gather(lambda row: strategy.all_gather(row.to(strategy.root_device)))
-
-    def _gather_and_log(self, trainer: L.Trainer) -> None:
-        self._gather(trainer)
-        self._log(trainer, self.recorder.metrics())  # means since the last log point
-
-    @staticmethod
-    def _log(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-        """Rank 0 logs ``metrics`` of the optimizer step that just ended (the last of those
-        they cover) at the step Lightning logs that optimizer step's ``self.log`` metrics at."""
-        if not trainer.is_global_zero or not metrics:
-            return
-        step = _lightning_log_step(trainer)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-
     # -- listeners -----------------------------------------------------------------------------
     def subscribe(self, listener: TimedStepsListener) -> None:
         """Feeds ``listener`` the timed steps of the fit being set up (subscribe from a
         strategy's ``setup``, or any point after this monitor's ``setup``; once, however often
         it subscribes) and keeps its state in this monitor's checkpoints, those saved after the
         fit too, until the next fit sets up."""
-        if listener not in self._listeners:
-            self._listeners.append(listener)
+        self._listeners.add(listener)
 
     @property
     def listeners(self) -> tuple[TimedStepsListener, ...]:
         """Those fed the timed steps (:meth:`subscribe`)."""
-        return tuple(self._listeners)
+        return tuple(self._listeners.subscribed)
 
     def summary(self) -> dict[str, Any]:
         """Whole-run totals, the same on every rank (as of the last gather: a log point, a
@@ -483,23 +362,40 @@ class StragglerMonitor(Callback):
         # Every rank saves (`Trainer.save_checkpoint` ends in a barrier), and reaches this hook
         # at the same point of its `dump_checkpoint`: gather the steps since the last gather
         self.recorder.synchronize()  # resolve every step up to here (a save syncs anyway)
-        self._gather(trainer)
+        _gather(trainer, self.recorder)
         checkpoint["callbacks"][self.state_key] = self.state_dict()
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = self.recorder.state_dict()
-        for listener in self._listeners:  # e.g. the cost model the strategy plans with
-            state[listener.state_key] = listener.state_dict()
-        return state
+        # the listeners' states: e.g. the cost model the strategy plans with
+        return {**self.recorder.state_dict(), **self._listeners.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
         known = self.recorder.state_dict()
         # what is not the recorder's is a listener's (it may subscribe after the restore)
-        self._listener_states = {k: state.pop(k) for k in list(state) if k not in known}
+        self._listeners.restored = {k: state.pop(k) for k in list(state) if k not in known}
         self.recorder.load_state_dict(state)
+
+
+def _gather(trainer: L.Trainer, recorder: StragglerRecorder) -> None:
+    """Adds every rank's steps since the last gather to ``recorder``'s totals. A collective:
+    every rank calls it at the same point (a log point, a checkpoint save, the end of
+    training)."""
+    strategy = trainer.strategy
+    # one small all-gather through the strategy (the only collective the monitor adds)
+    recorder.gather(lambda row: strategy.all_gather(row.to(strategy.root_device)))
+
+
+def _log(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    """Rank 0 logs ``metrics`` of the optimizer step that just ended (the last of those they
+    cover) at the step Lightning logs that optimizer step's ``self.log`` metrics at."""
+    if not trainer.is_global_zero or not metrics:
+        return
+    step = _lightning_log_step(trainer)
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
 
 
 def _log_interval(trainer: L.Trainer, every: int | None) -> int:
@@ -540,35 +436,24 @@ def _pack_fill(batch: Any) -> tuple[int, int] | None:
     return int(tokens), input_ids.numel()
 
 
-def _resolve_module(
-    root: nn.Module, spec: nn.Module | str | bool | None, names: tuple[str, ...], arg: str
-) -> nn.Module | None:
-    if spec is False:
-        return None
-    if isinstance(spec, nn.Module):
-        return spec
-    if isinstance(spec, str):
-        try:
-            return root.get_submodule(spec)
-        except AttributeError as err:
-            raise ValueError(
-                f"`StragglerMonitor({arg}={spec!r})`: {type(root).__name__} has no such submodule"
-            ) from err
-    # default: the shallowest submodule whose own name is one of the usual ones
-    found = [
-        (name.count("."), name, mod)
-        for name, mod in root.named_modules()
-        if name and name.rsplit(".", 1)[-1] in names
-    ]
-    if not found:
-        log.warning(
-            "StragglerMonitor: no %s found by name (%s); that phase is not timed: pass `%s=`.",
-            arg,
-            ", ".join(names),
-            arg,
-        )
-        return None
-    return min(found, key=lambda x: (x[0], names.index(x[1].rsplit(".", 1)[-1])))[2]
+def _jsonl_path(trainer: L.Trainer, jsonl_dir: str | Path | None) -> Path:
+    """This rank's JSON-lines file in ``jsonl_dir`` (default: ``<trainer.log_dir>/straggler``),
+    its folder created. Every rank calls it at the same point: ``trainer.log_dir`` is a
+    broadcast from rank 0."""
+    directory = Path(jsonl_dir) if jsonl_dir else None
+    if directory is None:
+        log_dir = trainer.log_dir  # a broadcast from rank 0: every rank calls it here
+        directory = Path(log_dir or trainer.default_root_dir) / "straggler"
+    directory.mkdir(parents=True, exist_ok=True)
+    rank = data_parallel_world(trainer.strategy).global_rank
+    return directory / f"rank_{rank}.jsonl"
+
+
+def _add_custom_scalars(trainer: L.Trainer) -> None:
+    """Gives every TensorBoard logger the layout of one chart per phase, one line per rank."""
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_custom_scalars(custom_scalars_layout())
 
 
 def _pack_features(meta: dict[str, Any]) -> dict[str, Any]:
