@@ -147,7 +147,7 @@ def test_padding_packs_carry_no_loss_and_keep_the_pixel_shape() -> None:
     loader = _loader(RECORDS[:3], micro_steps=4)
     packs = list(loader)
     assert len(packs) == 1  # one rank: no padding for a short last step
-    pad = loader._padding(packs[0]["pixel_values"][:0])
+    pad = loader.pack_source._padding(packs[0]["pixel_values"][:0])
     assert pad["loss_tokens"] == 0 and pad["meta"]["padding"]
     assert pad["pixel_values"].shape == (0, 8) and pad["pixel_values"].dtype == torch.float32
 
