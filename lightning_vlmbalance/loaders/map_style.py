@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,217 @@ log = logging.getLogger(__name__)
 _NO_TRAINER: Any = object()  # PackedDataLoader(trainer=...) not given
 # epochs a loader plans ahead, before its first pass, for Lightning's step estimate
 ESTIMATE_EPOCHS = 16
+
+
+def _as_source_balance(
+    balance: bool | SourceBalance | CostModel | str | Path | None,
+) -> SourceBalance | None:
+    """The source balance ``PackingSampler(balance=...)`` asks for (``None``: none)."""
+    if balance is None or balance is False:
+        return None
+    if balance is True:
+        return SourceBalance()
+    return balance if isinstance(balance, SourceBalance) else SourceBalance(cost_model=balance)
+
+
+def _column(
+    values: Sequence[int] | np.ndarray | None, name: str, default: np.ndarray
+) -> np.ndarray:
+    """The length-table column ``name`` given as ``values`` (checked), else ``default``."""
+    return default if values is None else as_length_column(values, name)
+
+
+def _sha1(*columns: np.ndarray) -> str:
+    """The SHA-1 of a length table's columns, in order (a fingerprint of the table)."""
+    digest = hashlib.sha1()
+    for column in columns:
+        digest.update(column.tobytes())
+    return digest.hexdigest()
+
+
+class _DataParallelRank:
+    """A sampler's data-parallel world size and rank: values given at construction are kept;
+    defaulted ones follow the strategy's data-parallel group once told
+    (:meth:`PackingSampler.set_data_parallel`), else the process group, even one initialised after
+    the sampler was built (say in a DataModule's ``__init__``)."""
+
+    def __init__(self, num_replicas: int | None, rank: int | None) -> None:
+        self.auto_replicas, self.auto_rank = num_replicas is None, rank is None
+        self.group: tuple[int, int] | None = None  # the strategy's data-parallel group
+        world = data_parallel_world()
+        self.num_replicas = world.size if num_replicas is None else num_replicas
+        self.rank = world.rank if rank is None else rank
+        self.check()
+
+    def check(self) -> None:
+        """Raises ``ValueError`` for a rank outside ``[0, num_replicas)``."""
+        if not 0 <= self.rank < self.num_replicas:
+            raise ValueError(
+                f"`PackingSampler(rank={self.rank}, num_replicas={self.num_replicas})`:"
+                " rank must be in [0, num_replicas)"
+            )
+
+    def follow(self) -> bool:
+        """Re-reads the defaulted values from the group (unless no process group is initialised)
+        and returns whether they changed; the caller checks them (:meth:`check`)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return False
+        if self.group is not None:  # the strategy's data-parallel group
+            auto_world, auto_rank = self.group
+        else:
+            world = data_parallel_world()
+            auto_world, auto_rank = world.size, world.rank
+        world = auto_world if self.auto_replicas else self.num_replicas
+        rank = auto_rank if self.auto_rank else self.rank
+        if (world, rank) == (self.num_replicas, self.rank):
+            return False
+        log.info(
+            "PackingSampler: rank %d of %d now that the process group exists (was %d of %d)",
+            rank,
+            world,
+            self.rank,
+            self.num_replicas,
+        )
+        self.num_replicas, self.rank = world, rank
+        return True
+
+    def set_group(self, num_replicas: int, rank: int) -> None:
+        """Follows the strategy's data-parallel group (:meth:`PackingSampler.set_data_parallel`).
+
+        Raises:
+            ValueError: if a value given at construction is not the group's.
+        """
+        num_replicas, rank = int(num_replicas), int(rank)
+        given = {
+            name: value
+            for name, value, auto, want in (
+                ("num_replicas", self.num_replicas, self.auto_replicas, num_replicas),
+                ("rank", self.rank, self.auto_rank, rank),
+            )
+            if not auto and value != want
+        }
+        if given:
+            args = ", ".join(f"{k}={v}" for k, v in given.items())
+            raise ValueError(
+                f"`PackingSampler({args})` does not match the strategy's data-parallel group:"
+                f" {num_replicas} data-parallel ranks, this one rank {rank} of them (under tensor"
+                " parallelism the ranks of one tensor-parallel group must train the same packs)."
+                " Leave `num_replicas` and `rank` to default, or give these"
+            )
+        self.group = (num_replicas, rank)
+
+
+class _EpochModels:
+    """The cost models a source-balanced sampler plans its epochs with: the current epoch's by
+    first global batch, and the one later epochs use (online calibration adopts new ones)."""
+
+    def __init__(self, balance: SourceBalance | None) -> None:
+        # later epochs' model (None: an unbalanced sampler)
+        self.latest = None if balance is None else balance.model
+        # (epoch, [(first global batch, model), ...]): the models of one epoch, where they are
+        # not just the latest
+        self.pinned: tuple[int, list[tuple[int, CostModel]]] | None = None
+
+    def schedule(self, epoch: int) -> list[tuple[int, CostModel]]:
+        """``[(first global batch, model), ...]`` that ``epoch`` is planned with."""
+        if self.pinned is not None and self.pinned[0] == epoch:
+            return list(self.pinned[1])
+        assert self.latest is not None
+        return [(0, self.latest)]
+
+    def use(self, model: CostModel) -> None:
+        """Plans every epoch with ``model`` from its start."""
+        self.latest, self.pinned = model, None
+
+    def adopt(
+        self, sampler: PackingSampler, model: CostModel, epoch: int, from_batch: int | None
+    ) -> bool:
+        """:meth:`PackingSampler.adopt_cost_model`: ``model`` is the one of later epochs, and
+        ``sampler``'s plan of ``epoch`` is made again with it from global batch ``from_batch`` on
+        unless that takes more packs. The plans in ``sampler``'s cache that were made with other
+        models are dropped (and the old plan put back where the new one takes more packs)."""
+        schedule = self.schedule(epoch)
+        self.latest = model
+        sampler._plans.pop(epoch + 1, None)
+        if from_batch is None:
+            if self.pinned is None or self.pinned[0] != epoch:
+                self.pinned = (epoch, schedule)  # this epoch keeps its models
+            return False
+        from_batch = max(0, int(from_batch))
+        kept = [(b, m) for b, m in schedule if b < from_batch]
+        changed = kept if kept and kept[-1][1] == model else [*kept, (from_batch, model)]
+        if changed == schedule:
+            return False
+        packs = sampler.packs_per_rank(epoch)
+        planned = sampler._plans.pop(epoch, None)
+        self.pinned = (epoch, changed)
+        grown = sampler.packs_per_rank(epoch)
+        if grown <= packs:
+            return True
+        # the rest of the epoch would take more packs than planned: Lightning's training loop
+        # follows, but a schedule sized from `trainer.estimated_stepping_batches` (OneCycleLR)
+        # would be stepped past its end. This epoch keeps its plan; later epochs are planned
+        # with the model
+        self.pinned = (epoch, schedule)
+        sampler._plans.pop(epoch, None)
+        if planned is not None:
+            sampler._plans[epoch] = planned
+        log.info(
+            "PackingSampler: the re-plan of epoch %d with the new cost model takes more"
+            " packs (%d > %d): the epoch keeps its plan, later epochs use the model",
+            epoch,
+            grown,
+            packs,
+        )
+        return False
+
+    def state(self, epoch: int) -> list[list[Any]]:
+        """``epoch``'s models, JSON-ready."""
+        return [[b, m.to_dict()] for b, m in self.schedule(epoch)]
+
+    def load_state(self, epoch: int, state: list[list[Any]]) -> None:
+        """Restores :meth:`state` for ``epoch`` (later epochs: its last model)."""
+        schedule = [(int(b), CostModel.from_dict(m)) for b, m in state]
+        self.pinned = (int(epoch), schedule)
+        self.latest = schedule[-1][1]
+
+
+class _PlanAhead:
+    """The next epoch's plan, made in a background thread while this one trains (a balanced
+    sampler's former runs as machine code without the GIL)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    def start(self, settings: tuple, build: Callable[[tuple], EpochPlan]) -> None:
+        """Plans ``settings`` with ``build`` in the background, in place of any plan not taken."""
+        ahead: dict[str, Any] = {"settings": settings}
+
+        def run() -> None:
+            try:
+                ahead["plan"] = build(settings)
+            except BaseException as err:  # raised where the plan is taken
+                ahead["error"] = err
+
+        thread = threading.Thread(target=run, name="vlmbalance-plan-ahead", daemon=True)
+        ahead["thread"] = thread
+        self._pending = ahead
+        thread.start()
+
+    def take(self, settings: tuple) -> EpochPlan | None:
+        """The plan made in the background, if it was made for ``settings`` (else ``None``: plan
+        again); raises what planning raised."""
+        ahead, self._pending = self._pending, None
+        if ahead is None or ahead["settings"] != settings:
+            return None
+        ahead["thread"].join()
+        if "error" in ahead:
+            raise ahead["error"]
+        return ahead["plan"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a thread does not pickle; the copy plans again if it needs to
+        return {"_pending": None}
 
 
 class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
@@ -112,80 +323,41 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
                 " either in the config or as arguments"
             )
         self.total_tokens = as_length_column(total_tokens, "total_tokens")
-        self.image_tokens = (
-            np.zeros_like(self.total_tokens)
-            if image_tokens is None
-            else as_length_column(image_tokens, "image_tokens")
-        )
+        self.image_tokens = _column(image_tokens, "image_tokens", np.zeros_like(self.total_tokens))
         self.config = config if config is not None else PackingConfig(**options)
-        self.source_balance: SourceBalance | None = (
-            None
-            if balance is None or balance is False
-            else SourceBalance()
-            if balance is True
-            else balance
-            if isinstance(balance, SourceBalance)
-            else SourceBalance(cost_model=balance)
-        )
+        self.source_balance = _as_source_balance(balance)
         # what the trainer decides where the settings leave it (set_micro_steps)
         self._trainer_micro_steps, self._trainer_objective = 1, "auto"
-        self.images = (
-            (self.image_tokens > 0).astype(np.int64)
-            if images is None
-            else as_length_column(images, "images")
-        )
+        self.images = _column(images, "images", (self.image_tokens > 0).astype(np.int64))
         check_length_table(self.total_tokens, self.image_tokens)
         check_image_counts(self.images, self.image_tokens)
-        # given values are kept; defaults follow the process group, even one initialised later
-        self._auto_replicas, self._auto_rank = num_replicas is None, rank is None
-        self._data_parallel: tuple[int, int] | None = None
-        world = data_parallel_world()
-        self.num_replicas = world.size if num_replicas is None else num_replicas
-        self.rank = world.rank if rank is None else rank
-        self._check_rank()
+        self._world = _DataParallelRank(num_replicas, rank)
         self.epoch = 0
         self._plans: dict[int, EpochPlan] = {}  # the last two epochs' plans
-        # online calibration of a balanced sampler: the cost model of later epochs, and the
-        # models of one epoch by first global batch (adopt_cost_model)
-        self._latest_model = None if self.source_balance is None else self.source_balance.model
-        self._schedule: tuple[int, list[tuple[int, CostModel]]] | None = None
-        self._ahead: dict[str, Any] | None = None
+        # online calibration of a balanced sampler (adopt_cost_model)
+        self._models = _EpochModels(self.source_balance)
+        self._ahead = _PlanAhead()
         self.planned_ahead = 0  # plans taken from the background
-        digest = hashlib.sha1(self.total_tokens.tobytes())
-        digest.update(self.image_tokens.tobytes())
-        digest.update(self.images.tobytes())  # a cost feature of the balanced plan
-        self._table_hash = digest.hexdigest()
+        # images: a cost feature of the balanced plan
+        self._table_hash = _sha1(self.total_tokens, self.image_tokens, self.images)
         self.plan()  # validate the table and the settings now, not in the first step
 
-    def _check_rank(self) -> None:
-        if not 0 <= self.rank < self.num_replicas:
-            raise ValueError(
-                f"`PackingSampler(rank={self.rank}, num_replicas={self.num_replicas})`:"
-                " rank must be in [0, num_replicas)"
-            )
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel ranks the plan is made for (see :meth:`set_data_parallel`)."""
+        return self._world.num_replicas
+
+    @property
+    def rank(self) -> int:
+        """This rank among them."""
+        return self._world.rank
 
     def _sync_with_process_group(self) -> None:
         """Re-reads defaulted rank/world size: a sampler built before the process group existed
         (say in a DataModule's ``__init__``) must not plan as if it were alone."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return
-        if self._data_parallel is not None:  # the strategy's data-parallel group
-            auto_world, auto_rank = self._data_parallel
-        else:
-            world = data_parallel_world()
-            auto_world, auto_rank = world.size, world.rank
-        world = auto_world if self._auto_replicas else self.num_replicas
-        rank = auto_rank if self._auto_rank else self.rank
-        if (world, rank) != (self.num_replicas, self.rank):
-            log.info(
-                "PackingSampler: rank %d of %d now that the process group exists (was %d of %d)",
-                rank,
-                world,
-                self.rank,
-                self.num_replicas,
-            )
-            self.num_replicas, self.rank, self._plans = world, rank, {}
-            self._check_rank()
+        if self._world.follow():
+            self._plans = {}
+            self._world.check()
 
     def set_data_parallel(self, num_replicas: int, rank: int) -> None:
         """The data-parallel group's size and this rank in it, where the sampler's were left to
@@ -198,24 +370,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
                 the world size and global rank under tensor parallelism: the ranks of a
                 tensor-parallel group would then train different packs).
         """
-        num_replicas, rank = int(num_replicas), int(rank)
-        given = {
-            name: value
-            for name, value, auto, want in (
-                ("num_replicas", self.num_replicas, self._auto_replicas, num_replicas),
-                ("rank", self.rank, self._auto_rank, rank),
-            )
-            if not auto and value != want
-        }
-        if given:
-            args = ", ".join(f"{k}={v}" for k, v in given.items())
-            raise ValueError(
-                f"`PackingSampler({args})` does not match the strategy's data-parallel group:"
-                f" {num_replicas} data-parallel ranks, this one rank {rank} of them (under tensor"
-                " parallelism the ranks of one tensor-parallel group must train the same packs)."
-                " Leave `num_replicas` and `rank` to default, or give these"
-            )
-        self._data_parallel = (num_replicas, rank)
+        self._world.set_group(num_replicas, rank)
         self._sync_with_process_group()
 
     @property
@@ -227,7 +382,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
     def cost_model(self) -> CostModel | None:
         """The cost model the source balance plans with now (``None`` unbalanced): the given
         one, or the last adopted (:meth:`adopt_cost_model`)."""
-        return self._latest_model
+        return self._models.latest
 
     def use_cost_model(self, model: CostModel) -> None:
         """Plans every epoch with ``model`` from its start, as if the sampler had been built with
@@ -240,16 +395,13 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         """
         if self.source_balance is None:
             raise ValueError("`PackingSampler.use_cost_model`: the sampler is not balanced")
-        self._latest_model, self._schedule, self._plans = model, None, {}
+        self._models.use(model)
+        self._plans = {}
 
     def cost_schedule(self, epoch: int | None = None) -> list[tuple[int, CostModel]]:
         """The cost models ``epoch`` (default: the current one) is planned with: ``[(first
         global batch, model), ...]``."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        if self._schedule is not None and self._schedule[0] == epoch:
-            return list(self._schedule[1])
-        assert self._latest_model is not None
-        return [(0, self._latest_model)]
+        return self._models.schedule(self.epoch if epoch is None else int(epoch))
 
     def adopt_cost_model(
         self, model: CostModel, *, epoch: int | None = None, from_batch: int | None = None
@@ -268,51 +420,15 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         if self.source_balance is None:
             raise ValueError("`PackingSampler.adopt_cost_model`: the sampler is not balanced")
         epoch = self.epoch if epoch is None else int(epoch)
-        schedule = self.cost_schedule(epoch)
-        self._latest_model = model
-        self._plans.pop(epoch + 1, None)
-        if from_batch is None:
-            if self._schedule is None or self._schedule[0] != epoch:
-                self._schedule = (epoch, schedule)  # this epoch keeps its models
-            return False
-        from_batch = max(0, int(from_batch))
-        kept = [(b, m) for b, m in schedule if b < from_batch]
-        changed = kept if kept and kept[-1][1] == model else [*kept, (from_batch, model)]
-        if changed == schedule:
-            return False
-        packs = self.packs_per_rank(epoch)
-        planned = self._plans.get(epoch)
-        self._schedule = (epoch, changed)
-        self._plans.pop(epoch, None)
-        grown = self.packs_per_rank(epoch)
-        if grown > packs:
-            # the rest of the epoch would take more packs than planned: Lightning's training
-            # loop follows, but a schedule sized from `trainer.estimated_stepping_batches`
-            # (OneCycleLR) would be stepped past its end. This epoch keeps its plan; later
-            # epochs are planned with the model
-            self._schedule = (epoch, schedule)
-            self._plans.pop(epoch, None)
-            if planned is not None:
-                self._plans[epoch] = planned
-            log.info(
-                "PackingSampler: the re-plan of epoch %d with the new cost model takes more"
-                " packs (%d > %d): the epoch keeps its plan, later epochs use the model",
-                epoch,
-                grown,
-                packs,
-            )
-            return False
-        return True
+        return self._models.adopt(self, model, epoch, from_batch)
 
     def schedule_state(self) -> list[list[Any]]:
         """The current epoch's cost models, JSON-ready (a loader's checkpoint state)."""
-        return [[b, m.to_dict()] for b, m in self.cost_schedule()]
+        return self._models.state(self.epoch)
 
     def load_schedule_state(self, epoch: int, state: list[list[Any]]) -> None:
         """Restores :meth:`schedule_state` for ``epoch`` (later epochs: its last model)."""
-        schedule = [(int(b), CostModel.from_dict(m)) for b, m in state]
-        self._schedule = (int(epoch), schedule)
-        self._latest_model = schedule[-1][1]
+        self._models.load_state(epoch, state)
         self._plans = {}
 
     @property
@@ -352,12 +468,16 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         epoch = self.epoch if epoch is None else int(epoch)
         plan = self._plans.get(epoch)
         if plan is None:
-            plan = self._take_ahead(epoch)
-            if plan is None:
-                plan = self._build(self._settings(epoch))
+            settings = self._settings(epoch)
+            plan = self._ahead.take(settings)
+            if plan is None:  # none planned ahead, or for other settings: plan again
+                plan = self._build(settings)
+            else:
+                self.planned_ahead += 1
             kept = {e: p for e, p in self._plans.items() if e == self.epoch and e != epoch}
             self._plans = {**kept, epoch: plan}
-            self._plan_ahead(epoch + 1)
+            if self.source_balance is not None and self.source_balance.plan_ahead:
+                self._ahead.start(self._settings(epoch + 1), self._build)
         return plan
 
     def _settings(self, epoch: int) -> tuple:
@@ -387,38 +507,6 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             balance=self.source_balance.resolved(micro_steps=micro_steps, objective=objective),
             schedule=list(models),
         )
-
-    def _plan_ahead(self, epoch: int) -> None:
-        if self.source_balance is None or not self.source_balance.plan_ahead:
-            return
-        settings = self._settings(epoch)
-        ahead: dict[str, Any] = {"settings": settings}
-
-        def run() -> None:
-            try:
-                ahead["plan"] = self._build(settings)
-            except BaseException as err:  # raised where the plan is taken
-                ahead["error"] = err
-
-        thread = threading.Thread(target=run, name="vlmbalance-plan-ahead", daemon=True)
-        ahead["thread"] = thread
-        self._ahead = ahead
-        thread.start()
-
-    def _take_ahead(self, epoch: int) -> EpochPlan | None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead["settings"] != self._settings(epoch):
-            return None  # none, or planned for other settings: plan again
-        ahead["thread"].join()
-        if "error" in ahead:
-            raise ahead["error"]
-        self.planned_ahead += 1
-        return ahead["plan"]
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_ahead"] = None  # a thread does not pickle; the copy plans again if it needs to
-        return state
 
     def pack_refs(self, start: int = 0, epoch: int | None = None) -> list[tuple[int, np.ndarray]]:
         """``(pack_id, sample_ids)`` of this rank's packs of ``epoch`` (default: the current
