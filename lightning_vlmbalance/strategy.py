@@ -164,6 +164,7 @@ class Rebalancer:
         self.groups = ExchangeGroups.create(
             peer_groups,
             parallel.global_rank,
+            world,
             timeout_s=self.config.exchange_timeout_s,
             gpu_payloads=gpu,
             encoder=self.config.encoder,

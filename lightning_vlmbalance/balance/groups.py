@@ -44,6 +44,7 @@ class ExchangeGroups:
         cls,
         peer_groups: list[list[int]],
         me: int,
+        world_size: int,
         *,
         timeout_s: float,
         gpu_payloads: bool,
@@ -54,16 +55,15 @@ class ExchangeGroups:
         Args:
             peer_groups: the global ranks of each data-parallel group (one per tensor-parallel
                 rank; one group of every rank without tensor parallelism).
-            me: this rank's global rank.
+            me: this rank's global rank; ``world_size``: every process.
             timeout_s: the groups' deadline (a dead peer fails a collective, never hangs it).
             gpu_payloads: payloads on an NCCL group of their own.
             encoder: make the embeddings' return group (encoder balancing).
         """
         timeout = timedelta(seconds=timeout_s)
-        world = dist.get_world_size()
         mine = cls()
         for ranks in peer_groups:
-            members = None if len(ranks) == world else ranks
+            members = None if len(ranks) == world_size else ranks
 
             def new(backend: str, members: list[int] | None = members) -> dist.ProcessGroup:
                 return dist.new_group(ranks=members, backend=backend, timeout=timeout)
