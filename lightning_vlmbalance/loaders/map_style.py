@@ -177,11 +177,13 @@ class _EpochModels:
         unless that takes more packs. The plans in ``sampler``'s cache that were made with other
         models are dropped (and the old plan put back where the new one takes more packs)."""
         schedule = self.schedule(epoch)
+        # this epoch keeps its models (unless re-planned below): its packs are counted with
+        # them, also where its plan is not cached (counted with the new model, a longer re-plan
+        # was compared with itself)
+        self.pinned = (epoch, schedule)
         self.latest = model
         sampler._plans.pop(epoch + 1, None)
         if from_batch is None:
-            if self.pinned is None or self.pinned[0] != epoch:
-                self.pinned = (epoch, schedule)  # this epoch keeps its models
             return False
         from_batch = max(0, int(from_batch))
         kept = [(b, m) for b, m in schedule if b < from_batch]
