@@ -486,8 +486,9 @@ def test_a_re_plan_never_lengthens_the_epoch() -> None:
         table = synthetic_length_table(
             1500, text_share=0.3, tile_tokens=16, max_text_tokens=256, seed=seed
         )
-        for _ in range(3):
-            s = vb.PackingSampler(
+
+        def sampler(table=table, seed=seed) -> vb.PackingSampler:
+            return vb.PackingSampler(
                 table.total_tokens,
                 table.image_tokens,
                 seq_len=512,
@@ -496,6 +497,9 @@ def test_a_re_plan_never_lengthens_the_epoch() -> None:
                 num_replicas=2,
                 rank=0,
             )
+
+        for _ in range(3):
+            s = sampler()
             before = s.packs_per_rank(0)
             coefficients = {
                 phase: {k: v * float(rng.lognormal(0, 2)) for k, v in terms.items()}
@@ -505,15 +509,7 @@ def test_a_re_plan_never_lengthens_the_epoch() -> None:
             # an epoch whose plan is not cached yet (epoch 3) is counted with its old model too
             epoch = 0 if seed % 2 else 3
             if epoch:
-                before = vb.PackingSampler(
-                    table.total_tokens,
-                    table.image_tokens,
-                    seq_len=512,
-                    seed=seed,
-                    balance=vb.SourceBalance(micro_steps=3),
-                    num_replicas=2,
-                    rank=0,
-                ).packs_per_rank(epoch)
+                before = sampler().packs_per_rank(epoch)
             first = int(rng.integers(1, 30))
             adopted = s.adopt_cost_model(model, epoch=epoch, from_batch=first)
             assert s.packs_per_rank(epoch) <= before
