@@ -97,13 +97,18 @@ class _EpochSetter:
 
 
 class _OfSource:
-    """A :class:`PackedStreamLoader` attribute that is its pack source's (read-only)."""
+    """A :class:`PackedStreamLoader` attribute that is its pack source's: read there, and set
+    there (a setting changed after construction reaches the next pass, as it did when the
+    loader held it; an attribute of the loader's own would shadow it silently)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
     def __get__(self, loader: Any, owner: type | None = None) -> Any:
         return self if loader is None else getattr(loader.pack_source, self.name)
+
+    def __set__(self, loader: Any, value: Any) -> None:
+        setattr(loader.pack_source, self.name, value)
 
 
 class PackedStreamLoader(DataLoaderSettings):

@@ -393,3 +393,12 @@ def test_a_fit_resumed_from_its_epochs_last_micro_batch_trains_the_next_epoch_wh
     step = -(-len(epoch0) // 2)  # the optimizer step of epoch 0's last micro-batch
     resumed = fit(str(tmp_path / f"step={step}.ckpt"))
     assert resumed.seen == [s for s in full.seen if s[0] == 1] and resumed.seen
+
+
+def test_a_setting_changed_on_the_loader_reaches_its_pack_source() -> None:
+    """The loader's settings and reports are its pack source's: setting one on the loader sets
+    it there (a loader attribute of its own would shadow it and the passes would not see it)."""
+    loader = vb.PackedStreamLoader([], seq_len=64)
+    loader.seq_len, loader.buffer = 32, 16
+    assert (loader.pack_source.seq_len, loader.pack_source.buffer) == (32, 16)
+    assert "seq_len" not in vars(loader) and loader.seq_len == 32
