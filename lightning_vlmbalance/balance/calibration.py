@@ -267,10 +267,17 @@ class OnlineCalibrator:
     def load_state_dict(self, state: Mapping[str, Any], *, model: bool = True) -> None:
         """Restores :meth:`state_dict`; ``model=False`` leaves the schedule to its owner (who
         adopts the checkpoint's model where nothing planned it yet)."""
-        if model:
-            self.models.reset(CostModel.from_dict(state["model"]))
-        self.version = int(state["version"])
-        self.skipped = int(state.get("skipped", 0))
+        try:  # read whole before anything changes (the schedule may be a strategy's)
+            restored = CostModel.from_dict(state["model"]) if model else None
+            version, skipped = int(state["version"]), int(state.get("skipped", 0))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"OnlineCalibrator.load_state_dict: not a calibrator state ({err!r}); expected"
+                " the keys model, version (and skipped, accepted_error)"
+            ) from err
+        if restored is not None:
+            self.models.reset(restored)
+        self.version, self.skipped = version, skipped
         self._accepted_error = state.get("accepted_error")
         self._window.clear()
 

@@ -12,6 +12,7 @@ step (``trainer.global_step`` before it) that trains the global batch. The strat
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +33,8 @@ class ModelSchedule:
     """
 
     def __init__(self, model: CostModel | None = None) -> None:
+        if model is not None:
+            _check_model(model, "ModelSchedule")
         self._lock = threading.Lock()
         self._entries: list[tuple[int, CostModel]] = [(0, model or CostModel())]
 
@@ -56,6 +59,7 @@ class ModelSchedule:
     def adopt(self, model: CostModel, from_step: int) -> None:
         """Plans with ``model`` from optimizer step ``from_step`` on (it replaces models
         scheduled from that step or later). Every rank adopts the same model at the same step."""
+        _check_model(model, "ModelSchedule.adopt")
         from_step = max(0, int(from_step))
         with self._lock:
             kept = [(s, m) for s, m in self._entries if s < from_step]
@@ -63,6 +67,7 @@ class ModelSchedule:
 
     def reset(self, model: CostModel) -> None:
         """``model`` plans every step (a model given before anything was planned)."""
+        _check_model(model, "ModelSchedule.reset")
         with self._lock:
             self._entries = [(0, model)]
 
@@ -71,11 +76,32 @@ class ModelSchedule:
             return {"entries": [[s, m.to_dict()] for s, m in self._entries]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        entries = [(int(s), CostModel.from_dict(m)) for s, m in state["entries"]]
-        if not entries:
-            raise ValueError("ModelSchedule.load_state_dict: a schedule holds at least one model")
+        """Restores :meth:`state_dict`.
+
+        Raises:
+            ValueError: for a state that is not one (no ``entries``; steps not increasing from
+                0; an entry that is not ``[step, model]``), naming what is wrong.
+        """
+        where = "ModelSchedule.load_state_dict"
+        try:
+            entries = [(int(s), CostModel.from_dict(m)) for s, m in state["entries"]]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"{where}: expected {{'entries': [[step, model dict], ...]}} ({err})"
+            ) from err
+        steps = [s for s, _ in entries]
+        if not steps or steps[0] != 0 or any(b <= a for a, b in itertools.pairwise(steps)):
+            raise ValueError(
+                f"{where}: the steps must start at 0 and increase, got {steps} (a schedule"
+                " holds at least one model)"
+            )
         with self._lock:
             self._entries = entries
 
     def __repr__(self) -> str:
         return f"ModelSchedule(from steps {[s for s, _ in self.entries]})"
+
+
+def _check_model(model: Any, where: str) -> None:
+    if not isinstance(model, CostModel):
+        raise TypeError(f"`{where}`: expected a CostModel, got {type(model).__name__}")

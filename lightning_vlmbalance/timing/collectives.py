@@ -82,6 +82,12 @@ def time_collectives(timer: Any, module: Any = None) -> TimedCollectives | None:
             missing,
         )
         return None
+    if any(name in group.__dict__ for group in groups for name in _METHODS):
+        raise ValueError(
+            "time_collectives: this model's FSDP2 collectives are timed already (`remove()` the"
+            " first handle before timing them again): each call would be timed twice, and one"
+            " handle's remove would take the other's wraps"
+        )
     for group in groups:
         for name in _METHODS:
             setattr(group, name, _wrapped(getattr(group, name), timer))

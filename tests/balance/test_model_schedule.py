@@ -87,3 +87,23 @@ def test_a_resumed_loader_plans_each_step_with_the_uninterrupted_runs_model() ->
     assert source.loaded == {"consumed": 0}  # the source gets its own state only
     planned = [resumed.former.model_for_next_batch() for _ in range(3)]  # steps 10, 11, 12
     assert planned == [start, start, refit]
+
+
+def test_a_state_or_a_model_that_is_not_one_is_refused_by_name() -> None:
+    """Out-of-order steps loaded as given answered the wrong model (``at(12)`` gave step 0's);
+    ``adopt(None, ...)`` made the next plan's model ``None``; a calibrator state without a
+    version reset the strategy's shared schedule before it failed."""
+    from lightning_vlmbalance.balance.calibration import OnlineCalibrator
+
+    a, b = _model(1.0), _model(2.0)
+    models = ModelSchedule(a)
+    for entries in ([[10, b.to_dict()], [0, a.to_dict()]], [[5, a.to_dict()]], [[0]]):
+        with pytest.raises(ValueError, match=r"ModelSchedule\.load_state_dict"):
+            models.load_state_dict({"entries": entries})
+    with pytest.raises(TypeError, match="expected a CostModel"):
+        models.adopt(None, 3)  # type: ignore[arg-type]
+    assert models.entries == [(0, a)]
+    calibrator = OnlineCalibrator(models)
+    with pytest.raises(ValueError, match="not a calibrator state"):
+        calibrator.load_state_dict({"model": b.to_dict()})
+    assert models.latest is a and calibrator.version == 0

@@ -62,3 +62,34 @@ def test_the_old_process_wide_call_is_refused_by_name() -> None:
 
     with pytest.raises(TypeError, match="give the model"):
         time_collectives(StepTimer(device_clock="cpu"))
+
+
+def test_timing_a_model_twice_is_refused_until_the_first_handle_is_removed() -> None:
+    """Two handles on one model: the second wrapped the first's wraps, and the first's
+    ``remove`` took both."""
+    import torch
+
+    from lightning_vlmbalance.timing import StepTimer, time_collectives
+
+    class Group:
+        def unshard(self) -> str:
+            return "unsharded"
+
+        wait_for_unshard = post_backward = finalize_backward = unshard
+
+    class State:
+        _fsdp_param_groups = (Group(),)
+
+    class Sharded(torch.nn.Module):
+        def _get_fsdp_state(self) -> State:
+            return State()
+
+    model, timer = Sharded(), StepTimer(device_clock="cpu")
+    first = time_collectives(timer, model)
+    with pytest.raises(ValueError, match="timed already"):
+        time_collectives(timer, model)
+    first.remove()
+    second = time_collectives(timer, model)
+    assert second is not None and State._fsdp_param_groups[0].unshard() == "unsharded"
+    second.remove()
+    assert not State._fsdp_param_groups[0].__dict__
