@@ -91,7 +91,7 @@ def main() -> None:
                 cost_model=model,
                 dp=[R],
                 ga=[args.ga],
-                strategies=["off", "overlap"],
+                modes=["off", "overlap"],
                 exchange=ExchangeModel(plan_ms=0.0),
                 batches=args.steps,
                 seed=args.seed,
@@ -105,11 +105,11 @@ def main() -> None:
                 ),
             )
             for s in sims:
-                m = measured[(R, s["strategy"])]
+                m = measured[(R, s["mode"])]
                 rows.append(
                     {
                         "ranks": R,
-                        "mode": s["strategy"],
+                        "mode": s["mode"],
                         "step_overhead": with_overhead,
                         "measured_step_ms": round(m, 2),
                         "predicted_step_ms": round(s["step_ms"], 2),

@@ -45,7 +45,7 @@ def balance(args: argparse.Namespace) -> list[dict]:
             seq_len=args.seq_len,
             dp=args.dp,
             ga=args.ga,
-            strategies=("off", "overlap"),
+            modes=("off", "overlap"),
             batches=args.batches,
             seed=args.seed,
             replay=True,
@@ -55,7 +55,7 @@ def balance(args: argparse.Namespace) -> list[dict]:
             rows.append(
                 {
                     "packer": "map" if buffer is None else f"stream{buffer}",
-                    "strategy": r["strategy"],
+                    "strategy": r["mode"],
                     "dp": r["dp"],
                     "ga": r["ga"],
                     "waste_frac": round(r["waste_frac"], 4),

@@ -4,8 +4,11 @@
 is ``vlmbalance-sim`` (:mod:`lightning_vlmbalance.sim.cli`). See ``docs/simulator.md``.
 """
 
+from typing import Any
+
 from lightning_vlmbalance.sim.simulate import (
-    STRATEGIES,
+    ALL_MODES,
+    MODES,
     SYNC_EVERY,
     ExchangeModel,
     StepOverhead,
@@ -14,10 +17,25 @@ from lightning_vlmbalance.sim.simulate import (
 )
 
 __all__ = [
-    "STRATEGIES",
+    "ALL_MODES",
+    "MODES",
     "SYNC_EVERY",
     "ExchangeModel",
     "StepOverhead",
     "closed_form_waste",
     "simulate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "STRATEGIES":  # the old name of MODES
+        import warnings
+
+        warnings.warn(
+            "`lightning_vlmbalance.sim.STRATEGIES` is deprecated: use `MODES` (the simulator's"
+            " strategies are now called modes, as `RebalanceConfig.mode` calls them)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return MODES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

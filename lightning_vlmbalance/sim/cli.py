@@ -1,14 +1,15 @@
 """``vlmbalance-sim``: what-if tables and plots of straggler waste and rebalancing gain.
 
     vlmbalance-sim run --data mix.csv --text-share 0.4 --seq-len 8192 --dp 8,64,512,4096 \\
-        --ga 1,8 --strategies off,sync,overlap,budget [--cost-model cost.json] [--json] \\
+        --ga 1,8 --modes off,sync,overlap,budget [--cost-model cost.json] [--json] \\
         [--training-strategy vlmbalance|fsdp_vlmbalance|ddp]
     vlmbalance-sim calibrate OUT/straggler -o cost.json
 
 ``run`` prints a table (or, with ``--json``, a JSON list of rows) and writes a PNG of waste and
-gain against the data-parallel size, one line per strategy and micro-step count (``--plot``;
-needs matplotlib). ``calibrate`` fits the cost model to StragglerMonitor JSON lines (a file or a
-folder of ``rank_*.jsonl``) and prints the fit error.
+gain against the data-parallel size, one line per mode and micro-step count (``--plot``;
+needs matplotlib). ``--modes`` are the rebalancing modes (``RebalanceConfig.mode``'s word;
+``--strategies``, their old name, is a deprecated alias). ``calibrate`` fits the cost model to
+StragglerMonitor JSON lines (a file or a folder of ``rank_*.jsonl``) and prints the fit error.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any
 
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.sim.simulate import (
-    ALL_STRATEGIES,
-    STRATEGIES,
+    ALL_MODES,
+    MODES,
     SYNC_EVERY,
     ExchangeModel,
     simulate,
@@ -38,7 +39,7 @@ from lightning_vlmbalance.synthetic import read_length_csv, resample_text_share
 SYNC_OF_STRATEGY = {"vlmbalance": "step", "fsdp_vlmbalance": "microstep", "ddp": "microstep"}
 
 _COLUMNS = (
-    ("strategy", "{:>15}"),
+    ("mode", "{:>15}"),
     ("dp", "{:>6}"),
     ("ga", "{:>4}"),
     ("step_ms", "{:>11.1f}"),
@@ -127,6 +128,27 @@ def number(
     return parse
 
 
+class _DeprecatedAlias(argparse.Action):
+    """Stores like the flag it aliases, with a one-line deprecation note on stderr."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"{parser.prog}: note: {option_string} is deprecated, use {self.new} (same values)",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlmbalance-sim", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -139,10 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dp", type=comma_list(int, minimum=1), default=[8, 64, 512])
     run.add_argument("--ga", type=comma_list(int, minimum=1), default=[1, 8])
     run.add_argument(
+        "--modes",
+        dest="modes",
+        type=comma_list(choices=ALL_MODES),
+        default=list(MODES),
+        help=f"the rebalancing modes to compare: any of {', '.join(ALL_MODES)}"
+        f" (default: {','.join(MODES)})",
+    )
+    run.add_argument(
         "--strategies",
-        type=comma_list(choices=ALL_STRATEGIES),
-        default=list(STRATEGIES),
-        help="any of off, sync, overlap, budget, source (default: all but source)",
+        dest="modes",
+        action=_DeprecatedAlias,
+        new="--modes",
+        type=comma_list(choices=ALL_MODES),
+        default=argparse.SUPPRESS,
+        metavar="MODES",
+        help="deprecated: the old name of --modes",
     )
     run.add_argument("--cost-model", type=Path, default=None, metavar="FILE")
     run.add_argument(
@@ -222,7 +256,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.text_share is not None:
         table = resample_text_share(table, args.text_share, args.seed)
     model = CostModel.load(args.cost_model) if args.cost_model else CostModel()
-    total = len(args.dp) * len(args.ga) * len(args.strategies) * args.batches
+    total = len(args.dp) * len(args.ga) * len(args.modes) * args.batches
     bar = None
     if not args.no_progress and not args.json:
         from tqdm import tqdm
@@ -235,7 +269,7 @@ def _run(args: argparse.Namespace) -> int:
             cost_model=model,
             dp=args.dp,
             ga=args.ga,
-            strategies=args.strategies,
+            modes=args.modes,
             exchange=ExchangeModel(bandwidth_gb_s=args.bandwidth_gb_s),
             batches=args.batches,
             seed=args.seed,
@@ -304,20 +338,20 @@ def _pyplot() -> Any:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Waste and gain against the data-parallel size, one line per (strategy, ga)."""
+    """Waste and gain against the data-parallel size, one line per (mode, ga)."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    keys = sorted({(r["strategy"], r["ga"]) for r in rows}, key=lambda k: (k[1], k[0]))
-    colors = {s: f"C{i}" for i, s in enumerate(ALL_STRATEGIES)}
+    keys = sorted({(r["mode"], r["ga"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    colors = {m: f"C{i}" for i, m in enumerate(ALL_MODES)}
     styles = {
         ga: ("-", "--", ":", "-.")[i % 4] for i, ga in enumerate(sorted({k[1] for k in keys}))
     }
-    for strategy, ga in keys:
-        sel = [r for r in rows if (r["strategy"], r["ga"]) == (strategy, ga)]
+    for mode, ga in keys:
+        sel = [r for r in rows if (r["mode"], r["ga"]) == (mode, ga)]
         sel.sort(key=lambda r: r["dp"])
         dps = [r["dp"] for r in sel]
-        style = {"color": colors[strategy], "linestyle": styles[ga], "marker": "o"}
-        label = f"{strategy}, ga={ga}"
+        style = {"color": colors[mode], "linestyle": styles[ga], "marker": "o"}
+        label = f"mode {mode}, ga={ga}"
         left.plot(dps, [r["waste_frac"] for r in sel], label=label, **style)
         right.plot(dps, [r["gain"] or 0.0 for r in sel], label=label, **style)
     for ax, title in (

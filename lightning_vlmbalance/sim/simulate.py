@@ -1,6 +1,6 @@
 """What-if simulation of straggler waste and rebalancing gain, from a data mix and a cost model.
 
-For each configuration (strategy, data-parallel size ``dp``, micro-steps ``ga``) it runs the
+For each configuration (mode, data-parallel size ``dp``, micro-steps ``ga``) it runs the
 real packing core on the mix, prices every pack with a :class:`CostModel`, draws global batches
 (``dp x ga`` packs, rank ``r`` computing packs ``r*ga .. r*ga+ga-1``), and computes each global
 batch's step time as the ranks' synchronisation makes it:
@@ -10,12 +10,13 @@ batch's step time as the ranks' synchronisation makes it:
 - ``sync_every="microstep"`` (a barrier in every micro-batch, as Lightning's default DDP loop):
   ``sum over micro-steps of the max over ranks``.
 
-Strategies: ``off`` (the packs where the sampler put them); ``sync`` and ``overlap`` (the real
-planner moves whole packs; the exchange costs ``bytes / bandwidth + latency x messages`` per rank,
-plus a planning time, exposed in full when synchronous and only beyond the previous step's compute
-when overlapped); ``budget`` (packs built with an image-token budget per pack: better balanced
-packs, worse packing efficiency, no rebalancing); ``source`` (``PackingSampler(balance=...)``:
-global batches formed balanced at the source).
+Modes (the rebalancing modes, ``RebalanceConfig.mode``'s word): ``off`` (the packs where the
+sampler put them); ``sync`` and ``overlap`` (the real planner moves whole packs; the exchange
+costs ``bytes / bandwidth + latency x messages`` per rank, plus a planning time, exposed in full
+when synchronous and only beyond the previous step's compute when overlapped); ``budget`` (packs
+built with an image-token budget per pack: better balanced packs, worse packing efficiency, no
+rebalancing); ``source`` (``PackingSampler(balance=...)``: global batches formed balanced at the
+source).
 
 Encoder balancing (``RebalanceConfig(encoder=True)``) adds ``encoder`` (the packs of ``off``),
 ``encoder_overlap`` (the rebalancing thread re-orders each rank's packs over the micro-steps so
@@ -49,6 +50,7 @@ from __future__ import annotations
 import math
 import numbers
 import statistics
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +72,8 @@ from lightning_vlmbalance.packing.stream import pack_stream
 from lightning_vlmbalance.synthetic import LengthTable
 
 __all__ = [
-    "STRATEGIES",
+    "ALL_MODES",
+    "MODES",
     "SYNC_EVERY",
     "ExchangeModel",
     "StepOverhead",
@@ -78,12 +81,32 @@ __all__ = [
     "simulate",
 ]
 
-STRATEGIES: tuple[str, ...] = ("off", "sync", "overlap", "budget")
+MODES: tuple[str, ...] = ("off", "sync", "overlap", "budget")
 # also accepted: "source" (PackingSampler(balance=...): global batches balanced at the source)
-# and the encoder-balanced strategies (RebalanceConfig(encoder=True); see the module docstring)
-ENCODER_STRATEGIES: tuple[str, ...] = ("encoder", "encoder_overlap", "encoder_source")
-ALL_STRATEGIES: tuple[str, ...] = (*STRATEGIES, "source", *ENCODER_STRATEGIES)
+# and the encoder-balanced modes (RebalanceConfig(encoder=True); see the module docstring)
+ENCODER_MODES: tuple[str, ...] = ("encoder", "encoder_overlap", "encoder_source")
+ALL_MODES: tuple[str, ...] = (*MODES, "source", *ENCODER_MODES)
 SYNC_EVERY: tuple[str, ...] = ("step", "microstep")
+
+# the simulator's old names of the modes, still importable with a FutureWarning
+_DEPRECATED_NAMES = {
+    "STRATEGIES": "MODES",
+    "ENCODER_STRATEGIES": "ENCODER_MODES",
+    "ALL_STRATEGIES": "ALL_MODES",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED_NAMES:
+        new = _DEPRECATED_NAMES[name]
+        warnings.warn(
+            f"`{__name__}.{name}` is deprecated: use `{new}` (the simulator's strategies are"
+            " now called modes, as `RebalanceConfig.mode` calls them)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -474,7 +497,7 @@ def simulate(
     cost_model: CostModel | None = None,
     dp: Sequence[int] = (8, 64, 512),
     ga: Sequence[int] = (1, 8),
-    strategies: Sequence[str] = STRATEGIES,
+    modes: Sequence[str] | None = None,
     exchange: ExchangeModel | None = None,
     batches: int = 32,
     seed: int = 0,
@@ -486,8 +509,9 @@ def simulate(
     progress: Callable[[int], Any] | None = None,
     rebalance: RebalanceConfig | None = None,
     stream_buffer: int | None = None,
+    strategies: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Simulates every (strategy, dp, ga); see the module docstring.
+    """Simulates every (mode, dp, ga); see the module docstring.
 
     Args:
         table: the data mix (e.g. :func:`~lightning_vlmbalance.read_length_csv` after
@@ -495,7 +519,10 @@ def simulate(
         seq_len: tokens per pack.
         cost_model: per-pack cost (default :class:`CostModel`; calibrate with ``CostModel.fit``).
         dp, ga: data-parallel sizes and micro-steps per optimizer step.
-        strategies: any of ``off``, ``sync``, ``overlap``, ``budget``, ``source``.
+        modes: the rebalancing modes to compare: any of :data:`ALL_MODES` (``off``, ``sync``,
+            ``overlap``, ``budget``, ``source``, ``encoder``, ``encoder_overlap``,
+            ``encoder_source``); default :data:`MODES` (``off``, ``sync``, ``overlap``,
+            ``budget``).
         exchange: the exchange cost model.
         batches: global batches per configuration (``source`` runs the global batches that
             the samples of these form).
@@ -509,15 +536,16 @@ def simulate(
         progress: called with 1 after each global batch (e.g. a progress bar's ``update``).
         rebalance: the planner's objective and tolerance, as the strategy would use them
             (:class:`~lightning_vlmbalance.balance.config.RebalanceConfig`; ``"auto"`` follows
-            ``sync_every``). Its ``mode`` is not used: ``strategies`` lists the modes to compare.
+            ``sync_every``). Its ``mode`` is not used: ``modes`` lists the modes to compare.
         stream_buffer: pack as a streamed dataset is packed (each rank its own shard of the
             shuffled mix, in windows of this many samples: ``PackedStreamLoader``) instead of
-            the map-style sampler's global plan, for every strategy but ``budget`` and
+            the map-style sampler's global plan, for every mode but ``budget`` and
             ``source``; rows then have ``stream_tail_frac``, the padding packs' share of the
             epoch's micro-batches (:func:`stream_padding_share`).
+        strategies: the deprecated name of ``modes`` (a FutureWarning).
 
     Returns:
-        One dict per configuration: ``strategy``, ``dp``, ``ga``, ``step_ms`` (mean),
+        One dict per configuration: ``mode``, ``dp``, ``ga``, ``step_ms`` (mean),
         ``step_p95_ms``, ``ideal_step_ms`` (every rank at the mean load), ``waste_frac``
         (1 - ideal / step), ``batches`` (global batches run), ``tokens`` (tokens in them),
         ``samples`` (``"off"``: the samples of ``off``'s global batches; ``"own"``: ``budget``'s
@@ -529,9 +557,24 @@ def simulate(
         ``bound_step_ms`` and ``waste_vs_bound``.
 
     Raises:
-        ValueError: for an unknown strategy or sync mode, or a mix too small to replay.
+        ValueError: for an unknown mode or ``sync_every``, or a mix too small to replay.
+        TypeError: for both ``modes`` and its deprecated name ``strategies``.
     """
-    _check_arguments(table, dp, ga, strategies, batches, sync_every)
+    if strategies is not None:
+        if modes is not None:
+            raise TypeError(
+                "simulate() got both `modes=` and `strategies=` (the deprecated name of"
+                " `modes=`): give only `modes=`"
+            )
+        warnings.warn(
+            "simulate(strategies=...) is deprecated: use `modes=` (the rebalancing modes, as"
+            " `RebalanceConfig.mode` calls them)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        modes = strategies
+    modes = MODES if modes is None else modes
+    _check_arguments(table, dp, ga, modes, batches, sync_every)
     overhead = step_overhead or StepOverhead()
     plan = (rebalance or RebalanceConfig()).resolved(
         sync_every_micro_batch=sync_every == "microstep"
@@ -554,7 +597,7 @@ def simulate(
                     pools,
                     R,
                     G,
-                    strategies,
+                    modes,
                     batches=batches,
                     replay_skip=replay_skip,
                     sync_every=sync_every,
@@ -570,16 +613,14 @@ def _check_arguments(
     table: LengthTable,
     dp: Sequence[int],
     ga: Sequence[int],
-    strategies: Sequence[str],
+    modes: Sequence[str],
     batches: int,
     sync_every: str,
 ) -> None:
     """:func:`simulate`'s arguments as it needs them, or the ValueError it documents."""
-    bad = [s for s in strategies if s not in ALL_STRATEGIES]
-    if bad or not strategies:
-        raise ValueError(
-            f"simulate(strategies={list(strategies)}): expected some of {ALL_STRATEGIES}"
-        )
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad or not modes:
+        raise ValueError(f"simulate(modes={list(modes)}): expected some of {ALL_MODES}")
     if sync_every not in SYNC_EVERY:
         raise ValueError(f"simulate(sync_every={sync_every!r}): expected one of {SYNC_EVERY}")
     if batches < 1 or min(dp) < 1 or min(ga) < 1:
@@ -638,7 +679,7 @@ def _configuration_rows(
     pools: _PoolCache,
     R: int,
     G: int,
-    strategies: Sequence[str],
+    modes: Sequence[str],
     *,
     batches: int,
     replay_skip: int,
@@ -647,15 +688,15 @@ def _configuration_rows(
     overhead_ms: float,
     progress: Callable[[int], Any] | None,
 ) -> list[dict[str, Any]]:
-    """The rows of every strategy at one ``(dp, ga) = (R, G)``, with their gains over ``off``.
+    """The rows of every mode at one ``(dp, ga) = (R, G)``, with their gains over ``off``.
     ``source`` and ``encoder_source`` share one source pool, formed from ``off``'s samples."""
     sync_objective = "step" if sync_every == "step" else "microstep"  # how step time adds up
     group = []
     source: _SourcePool | None = None
-    for strategy in strategies:
-        if strategy in ("source", "encoder_source") and source is not None:
+    for mode in modes:
+        if mode in ("source", "encoder_source") and source is not None:
             p, draws = source, source.draws
-        elif strategy in ("source", "encoder_source"):  # off's samples, re-formed
+        elif mode in ("source", "encoder_source"):  # off's samples, re-formed
             greedy = pools.get("greedy", R)
             rows_of_off = greedy.table_rows(
                 _draws(greedy, R, G, batches, pools.seed, pools.replay, replay_skip)
@@ -673,10 +714,10 @@ def _configuration_rows(
             )
             draws = p.draws
         else:
-            p = pools.get("budget" if strategy == "budget" else "greedy", R)
+            p = pools.get("budget" if mode == "budget" else "greedy", R)
             draws = _draws(p, R, G, batches, pools.seed, pools.replay, replay_skip)
         row = _run(
-            strategy,
+            mode,
             p,
             draws,
             R,
@@ -687,8 +728,8 @@ def _configuration_rows(
             overhead_ms,
             progress,
         )
-        row["samples"] = "own" if strategy == "budget" else "off"
-        if pools.stream_buffer is not None and strategy not in (
+        row["samples"] = "own" if mode == "budget" else "off"
+        if pools.stream_buffer is not None and mode not in (
             "budget",
             "source",
             "encoder_source",
@@ -722,14 +763,14 @@ def _add_gains(
     group: list[dict[str, Any]], cost_ms: np.ndarray, R: int, G: int, sync_every: str
 ) -> None:
     """Each row's tokens/s gain over ``off`` (same dp, ga), and the closed form on ``off``."""
-    off = next((r for r in group if r["strategy"] == "off"), None)
+    off = next((r for r in group if r["mode"] == "off"), None)
     for row in group:
         row["gain"] = (
             row["tokens_per_s_per_rank"] / off["tokens_per_s_per_rank"] - 1.0
             if off and off["tokens_per_s_per_rank"]
             else None
         )
-        if row["strategy"] == "off":
+        if row["mode"] == "off":
             c = cost_ms[cost_ms > 0]
             row["closed_form_waste"] = closed_form_waste(
                 float(c.mean()), float(c.std()), R, G, sync_every
@@ -743,7 +784,7 @@ def _default_budget(greedy: _Pool) -> int:
 
 
 def _run(
-    strategy: str,
+    mode: str,
     p: _Pool,
     draws: list[np.ndarray],
     R: int,
@@ -757,16 +798,16 @@ def _run(
     steps, ideals, moved, exposed, tokens, bounds = [], [], [], [], [], []
     images_moved: list[float] = []
     origin = np.repeat(np.arange(R, dtype=np.int64), G)
-    encoder = strategy in ENCODER_STRATEGIES
+    encoder = mode in ENCODER_MODES
     for draw in draws:
         cost = p.cost_ms[draw]
         compute = cost.reshape(R, G)
         placed = draw.reshape(R, G)
         exposed_ms = ex_ms = 0.0
-        if strategy == "encoder_overlap":  # micro-steps of even vision work, no pack moves
+        if mode == "encoder_overlap":  # micro-steps of even vision work, no pack moves
             order = order_micro_steps(p.images.vision_ms[placed])
             placed = np.take_along_axis(placed, order, axis=1)
-        if strategy in ("sync", "overlap") and R > 1:
+        if mode in ("sync", "overlap") and R > 1:
             plan = plan_rebalance(
                 np.rint(cost * 1000.0).astype(np.int64),
                 origin,
@@ -791,15 +832,15 @@ def _run(
         else:
             busy = _step_time(compute, objective)
         step = busy + overhead_ms
-        if strategy == "sync" and R > 1:
+        if mode == "sync" and R > 1:
             exposed_ms = ex_ms
-        elif strategy == "overlap" and R > 1:
+        elif mode == "overlap" and R > 1:
             # hidden behind a step's compute (the previous one's; batches are exchangeable)
             exposed_ms = max(0.0, ex_ms - busy)
         steps.append(step + exposed_ms)
         exposed.append(exposed_ms)
         ideals.append(float(cost.sum()) / R)
-        if strategy == "source":  # no step is shorter than its heaviest sample
+        if mode == "source":  # no step is shorter than its heaviest sample
             bounds.append(max(ideals[-1], float(p.heaviest_ms[draw].max())))
         tokens.append(float(p.tokens[draw].sum()))
         if progress is not None:
@@ -813,7 +854,7 @@ def _run(
         bound = float(np.mean(bounds))
         extra = {"bound_step_ms": bound, "waste_vs_bound": 1.0 - bound / step_ms}
     return {
-        "strategy": strategy,
+        "mode": mode,
         "dp": R,
         "ga": G,
         "step_ms": step_ms,

@@ -24,7 +24,7 @@ def test_identical_samples_waste_nothing() -> None:
         image_tokens=np.full(n, 600, dtype=np.int64),
         images=np.ones(n, dtype=np.int64),
     )
-    rows = simulate(table, seq_len=4000, dp=[4, 16], ga=[1, 4], batches=4, strategies=["off"])
+    rows = simulate(table, seq_len=4000, dp=[4, 16], ga=[1, 4], batches=4, modes=["off"])
     for row in rows:
         assert row["waste_frac"] == pytest.approx(0.0, abs=1e-12)
         assert row["step_ms"] == pytest.approx(row["ideal_step_ms"])
@@ -32,7 +32,7 @@ def test_identical_samples_waste_nothing() -> None:
 
 def test_off_waste_grows_with_ranks_and_shrinks_with_micro_steps() -> None:
     rows = simulate(
-        _mix(), seq_len=8192, dp=[2, 8, 32, 128], ga=[1, 4, 16], batches=48, strategies=["off"]
+        _mix(), seq_len=8192, dp=[2, 8, 32, 128], ga=[1, 4, 16], batches=48, modes=["off"]
     )
     waste = {(r["dp"], r["ga"]): r["waste_frac"] for r in rows}
     for ga in (1, 4, 16):
@@ -47,7 +47,7 @@ def test_rebalancing_removes_most_waste_and_is_deterministic() -> None:
     kwargs = {"seq_len": 8192, "dp": [16], "ga": [8], "batches": 6, "seed": 3}
     rows = simulate(_mix(), **kwargs)
     assert rows == simulate(_mix(), **kwargs)  # same seed, same rows
-    by = {r["strategy"]: r for r in rows}
+    by = {r["mode"]: r for r in rows}
     assert by["overlap"]["waste_frac"] < 0.2 * by["off"]["waste_frac"]
     assert by["overlap"]["gain"] > 0 and by["overlap"]["moved_packs"] > 0
     assert by["sync"]["exposed_exchange_ms"] > 0 and by["overlap"]["exposed_exchange_ms"] == 0
@@ -62,15 +62,15 @@ def test_a_streamed_mix_packs_each_ranks_shard_and_rebalances_like_the_map_style
     rank's stream), the epoch's tail padding is reported, and rebalancing removes most waste
     as it does for the map-style plan."""
     kwargs = {"seq_len": 8192, "dp": [8], "ga": [8], "batches": 6, "seed": 3, "replay": True}
-    rows = {r["strategy"]: r for r in simulate(_mix(), strategies=["off", "overlap"], **kwargs)}
-    streamed = simulate(_mix(), strategies=["off", "overlap"], stream_buffer=256, **kwargs)
-    by = {r["strategy"]: r for r in streamed}
+    rows = {r["mode"]: r for r in simulate(_mix(), modes=["off", "overlap"], **kwargs)}
+    streamed = simulate(_mix(), modes=["off", "overlap"], stream_buffer=256, **kwargs)
+    by = {r["mode"]: r for r in streamed}
     assert by["off"]["packing_efficiency"] > 0.98
     assert 0 <= by["off"]["stream_tail_frac"] < 0.05 and "stream_tail_frac" not in rows["off"]
     assert by["overlap"]["waste_frac"] < 0.2 * by["off"]["waste_frac"]
     assert by["overlap"]["waste_frac"] < 2 * rows["overlap"]["waste_frac"] + 0.01
     # the source formers take no stream: their rows have no tail (one raised AttributeError)
-    sourced = simulate(_mix(), strategies=["source", "encoder_source"], stream_buffer=256, **kwargs)
+    sourced = simulate(_mix(), modes=["source", "encoder_source"], stream_buffer=256, **kwargs)
     assert all("stream_tail_frac" not in r for r in sourced)
 
 
@@ -88,8 +88,8 @@ def test_closed_form_laws() -> None:
 
 
 def test_bad_settings_are_named() -> None:
-    with pytest.raises(ValueError, match="strategies"):
-        simulate(_mix(500), seq_len=8192, strategies=["fast"])
+    with pytest.raises(ValueError, match="modes"):
+        simulate(_mix(500), seq_len=8192, modes=["fast"])
     with pytest.raises(ValueError, match="sync_every"):
         simulate(_mix(500), seq_len=8192, sync_every="never")
 
@@ -109,10 +109,52 @@ def test_cli_run_json_and_plot(tmp_path, capsys) -> None:
     assert main(args.split()) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 2 * 2 * 4
-    for key in ("strategy", "dp", "ga", "step_ms", "ideal_step_ms", "waste_frac", "gain"):
+    for key in ("mode", "dp", "ga", "step_ms", "ideal_step_ms", "waste_frac", "gain"):
         assert key in rows[0]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert main(["run", "--data", str(tmp_path / "none.csv"), "--no-plot"]) == 2
+
+
+def test_strategies_is_a_deprecated_name_of_modes() -> None:
+    """``strategies=`` (the old name) gives the rows of ``modes=`` with a FutureWarning naming
+    ``modes=``; both at once is a TypeError naming both; the old constants still import."""
+    kwargs = {"seq_len": 8192, "dp": [4], "ga": [2], "batches": 2}
+    table = _mix(2000)
+    new = simulate(table, modes=["off", "overlap"], **kwargs)
+    assert [r["mode"] for r in new] == ["off", "overlap"] and "strategy" not in new[0]
+    with pytest.warns(FutureWarning, match="modes="):
+        old = simulate(table, strategies=["off", "overlap"], **kwargs)
+    assert old == new
+    with pytest.raises(TypeError, match=r"modes=.*strategies="):
+        simulate(table, modes=["off"], strategies=["off"], **kwargs)
+    import importlib
+
+    import lightning_vlmbalance.sim as sim
+
+    # the module (the package's attribute `simulate` is the function)
+    core = importlib.import_module("lightning_vlmbalance.sim.simulate")
+    with pytest.warns(FutureWarning, match="MODES"):
+        assert sim.STRATEGIES == sim.MODES == core.MODES
+    with pytest.warns(FutureWarning, match="ALL_MODES"):
+        assert core.ALL_STRATEGIES == core.ALL_MODES
+
+
+def test_cli_strategies_is_a_deprecated_alias_of_modes(tmp_path, capsys) -> None:
+    """``--modes`` picks the modes; ``--strategies`` (the old name) gives the same rows with a
+    one-line note on stderr; the table's first column is ``mode``."""
+    csv = tmp_path / "mix.csv"
+    _write_csv(csv, _mix(2000))
+    base = ["run", "--data", str(csv), "--dp", "4", "--ga", "2", "--batches", "2", "--no-plot"]
+    assert main([*base, "--modes", "off,overlap", "--json"]) == 0
+    out, err = capsys.readouterr()
+    new = json.loads(out)
+    assert [r["mode"] for r in new] == ["off", "overlap"] and "deprecated" not in err
+    assert main([*base, "--strategies", "off,overlap", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == new
+    assert "--strategies is deprecated, use --modes" in err
+    assert main([*base, "--modes", "off", "--no-progress"]) == 0
+    assert capsys.readouterr().out.split()[0] == "mode"
 
 
 def test_cli_training_strategy_sets_the_synchronisation(tmp_path, capsys) -> None:
@@ -120,7 +162,7 @@ def test_cli_training_strategy_sets_the_synchronisation(tmp_path, capsys) -> Non
     wastes more under FSDP at ga > 1; a contradicting --sync-every is an error."""
     csv = tmp_path / "mix.csv"
     _write_csv(csv, _mix(3000))
-    base = f"run --data {csv} --dp 8 --ga 4 --batches 4 --strategies off --no-plot --json"
+    base = f"run --data {csv} --dp 8 --ga 4 --batches 4 --modes off --no-plot --json"
     waste = {}
     for strategy in ("vlmbalance", "fsdp_vlmbalance"):
         assert main([*base.split(), "--training-strategy", strategy]) == 0
@@ -138,7 +180,7 @@ def test_cli_sync_every_alone_overrides_the_default(tmp_path, capsys) -> None:
     ``step`` those of the default; only an explicit contradiction is an error."""
     csv = tmp_path / "mix.csv"
     _write_csv(csv, _mix(3000))
-    base = f"run --data {csv} --dp 8 --ga 4 --batches 4 --strategies off --no-plot --json".split()
+    base = f"run --data {csv} --dp 8 --ga 4 --batches 4 --modes off --no-plot --json".split()
 
     def rows(*flags: str) -> list:
         assert main([*base, *flags]) == 0, capsys.readouterr().err
@@ -164,9 +206,9 @@ def test_source_balancing_removes_most_of_the_waste_at_one_pack_per_rank() -> No
         dp=[8],
         ga=[1],
         batches=12,
-        strategies=["off", "overlap", "source"],
+        modes=["off", "overlap", "source"],
     )
-    by = {r["strategy"]: r for r in rows}
+    by = {r["mode"]: r for r in rows}
     assert by["overlap"]["waste_frac"] == pytest.approx(by["off"]["waste_frac"])
     assert by["source"]["waste_frac"] < 0.5 * by["off"]["waste_frac"]
     assert by["source"]["moved_packs"] == 0 and by["source"]["packing_efficiency"] > 0.97
@@ -254,12 +296,12 @@ def test_source_is_measured_on_the_samples_of_off(replay) -> None:
             ga=[ga],
             batches=6,
             replay=replay,
-            strategies=["off", "overlap", "source", "budget"],
+            modes=["off", "overlap", "source", "budget"],
         )
-        by = {r["strategy"]: r for r in rows}
-        for strategy in ("off", "overlap", "source"):
-            assert by[strategy]["samples"] == "off", strategy
-            assert by[strategy]["tokens"] == by["off"]["tokens"], (strategy, dp, ga)
+        by = {r["mode"]: r for r in rows}
+        for mode in ("off", "overlap", "source"):
+            assert by[mode]["samples"] == "off", mode
+            assert by[mode]["tokens"] == by["off"]["tokens"], (mode, dp, ga)
         assert by["budget"]["samples"] == "own"
         # the gain is the whole run's tokens/s over off's, on the same tokens
         ratio = by["off"]["step_ms"] * by["off"]["batches"]
@@ -312,7 +354,7 @@ def test_cli_bad_plot_path_fails_before_the_sweep(tmp_path, capsys) -> None:
     good = tmp_path / "sim.png"
     assert main([*base, "--plot", str(good), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("strategy") and out.rstrip().endswith(f"plot: {good}")
+    assert out.startswith("mode") and out.rstrip().endswith(f"plot: {good}")
     assert good.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -343,7 +385,7 @@ def test_simulate_refuses_image_tokens_without_images() -> None:
     images[i] = 0
     bad = LengthTable(table.total_tokens, table.image_tokens, images)
     with pytest.raises(ValueError, match=f"sample {i} has 0 images"):
-        simulate(bad, seq_len=8192, dp=[2], ga=[1], batches=1, strategies=["off"])
+        simulate(bad, seq_len=8192, dp=[2], ga=[1], batches=1, modes=["off"])
 
 
 def test_step_overhead_fit_names_a_bad_record() -> None:
@@ -367,9 +409,9 @@ def test_encoder_balancing_spreads_the_images_of_each_micro_step() -> None:
     micro-steps re-orders packs within ranks (none moves) and wastes no more than ``encoder``;
     every returned embedding and moved pixel is costed."""
     table = _mix(8000)
-    strategies = ["off", "encoder", "encoder_overlap", "encoder_source"]
-    rows = simulate(table, seq_len=8192, dp=[16], ga=[1, 8], batches=6, strategies=strategies)
-    by = {(r["strategy"], r["ga"]): r for r in rows}
+    modes = ["off", "encoder", "encoder_overlap", "encoder_source"]
+    rows = simulate(table, seq_len=8192, dp=[16], ga=[1, 8], batches=6, modes=modes)
+    by = {(r["mode"], r["ga"]): r for r in rows}
     off, enc = by[("off", 1)], by[("encoder", 1)]
     assert enc["waste_frac"] < 0.3 * off["waste_frac"] and enc["gain"] > 0
     assert enc["packing_efficiency"] == off["packing_efficiency"]
@@ -389,10 +431,10 @@ def test_encoder_balancing_spreads_the_images_of_each_micro_step() -> None:
         dp=[16],
         ga=[1],
         batches=6,
-        strategies=["off", "encoder"],
+        modes=["off", "encoder"],
         exchange=ExchangeModel(bandwidth_gb_s=0.05),
     )
-    assert {r["strategy"]: r for r in slow}["encoder"]["step_ms"] > enc["step_ms"]
+    assert {r["mode"]: r for r in slow}["encoder"]["step_ms"] > enc["step_ms"]
 
 
 def test_exchange_model_transfer_time_is_the_busiest_ranks() -> None:
