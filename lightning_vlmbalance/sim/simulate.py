@@ -41,7 +41,7 @@ out), so its gain also holds a different sample of the mix.
 
 Global batches are either drawn uniformly from the pack pool of the whole mix (``replay=False``:
 any ``dp``), or replayed exactly as the distributed sampler deals them
-(``replay=True``: ``build_epoch_plan(world_size=dp)``, global batch ``k`` = packs ``k*ga..`` of
+(``replay=True``: ``build_epoch_plan(num_replicas=dp)``, global batch ``k`` = packs ``k*ga..`` of
 every rank), which is how the emulated benchmark runs and what validation compares against.
 """
 
@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_vlmbalance._moved import renamed_keyword
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
 from lightning_vlmbalance.balance.images import PackImages, order_micro_steps, plan_images
@@ -307,7 +308,7 @@ class _Pool:
         seq_len: int,
         cost_model: CostModel,
         exchange: ExchangeModel,
-        world_size: int,
+        num_replicas: int,
         seed: int,
         packer: str = "greedy",
         image_budget: int | None = None,
@@ -331,10 +332,10 @@ class _Pool:
             total, image, images = total[rows], image[rows], images[rows]
         self.stream_counts: list[int] | None = None
         if stream_buffer is not None:  # each rank packs its own shard of the stream
-            plan = _stream_plan(total, seq_len, world_size, seed, stream_buffer)
+            plan = _stream_plan(total, seq_len, num_replicas, seed, stream_buffer)
             self.stream_counts = plan.counts
         else:
-            plan = build_epoch_plan(total, image, config, world_size=world_size, epoch=0)
+            plan = build_epoch_plan(total, image, config, num_replicas=num_replicas, epoch=0)
         self.plan = plan
         flat = [ids for rank in plan.rank_packs for ids in rank]
         self.packs = Packs.from_lists(flat)
@@ -387,17 +388,17 @@ class _StreamPlan:
 
 
 def _stream_plan(
-    total: np.ndarray, seq_len: int, world_size: int, seed: int, buffer: int
+    total: np.ndarray, seq_len: int, num_replicas: int, seed: int, buffer: int
 ) -> _StreamPlan:
     """Packs as :class:`~lightning_vlmbalance.PackedStreamLoader` forms them: the mix shuffled
-    once (``seed``) and dealt to the ranks (rank ``r``'s stream: every ``world_size``-th
+    once (``seed``) and dealt to the ranks (rank ``r``'s stream: every ``num_replicas``-th
     sample), each stream packed by :func:`~lightning_vlmbalance.packing.stream.pack_stream`
     with ``buffer``. Every rank keeps as many packs as the rank with the fewest (the replayed
     global batches); :func:`stream_padding_share` prices the epoch's tail."""
     order = np.random.default_rng(seed).permutation(len(total))
     ranks = []
-    for r in range(world_size):
-        shard = order[r::world_size]
+    for r in range(num_replicas):
+        shard = order[r::num_replicas]
         ranks.append([shard[p] for p in pack_stream(total[shard], seq_len, buffer=buffer)])
     n = min(len(p) for p in ranks)
     return _StreamPlan([p[:n] for p in ranks], n, [len(p) for p in ranks])
@@ -455,7 +456,7 @@ class _SourcePool:
             image,
             images,
             PackingConfig(seq_len=seq_len, seed=seed, overlong="skip"),
-            world_size=R,
+            num_replicas=R,
             epoch=0,
             balance=SourceBalance(
                 micro_steps=G, objective="step" if objective == "step" else "microstep"
@@ -490,6 +491,7 @@ class _SourcePool:
         self.efficiency = float(self.tokens[real].sum() / (real.sum() * seq_len))
 
 
+@renamed_keyword("strategies", "modes", " (the rebalancing modes, as `RebalanceConfig.mode`)")
 def simulate(
     table: LengthTable,
     *,
@@ -509,7 +511,6 @@ def simulate(
     progress: Callable[[int], Any] | None = None,
     rebalance: RebalanceConfig | None = None,
     stream_buffer: int | None = None,
-    strategies: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Simulates every (mode, dp, ga); see the module docstring.
 
@@ -519,10 +520,9 @@ def simulate(
         seq_len: tokens per pack.
         cost_model: per-pack cost (default :class:`CostModel`; calibrate with ``CostModel.fit``).
         dp, ga: data-parallel sizes and micro-steps per optimizer step.
-        modes: the rebalancing modes to compare: any of :data:`ALL_MODES` (``off``, ``sync``,
-            ``overlap``, ``budget``, ``source``, ``encoder``, ``encoder_overlap``,
-            ``encoder_source``); default :data:`MODES` (``off``, ``sync``, ``overlap``,
-            ``budget``).
+        modes: the rebalancing modes to compare, any of :data:`ALL_MODES`; default
+            :data:`MODES` (``off``, ``sync``, ``overlap``, ``budget``). (``strategies=``: the
+            deprecated name, still works with a FutureWarning.)
         exchange: the exchange cost model.
         batches: global batches per configuration (``source`` runs the global batches that
             the samples of these form).
@@ -542,7 +542,6 @@ def simulate(
             the map-style sampler's global plan, for every mode but ``budget`` and
             ``source``; rows then have ``stream_tail_frac``, the padding packs' share of the
             epoch's micro-batches (:func:`stream_padding_share`).
-        strategies: the deprecated name of ``modes`` (a FutureWarning).
 
     Returns:
         One dict per configuration: ``mode``, ``dp``, ``ga``, ``step_ms`` (mean),
@@ -558,21 +557,7 @@ def simulate(
 
     Raises:
         ValueError: for an unknown mode or ``sync_every``, or a mix too small to replay.
-        TypeError: for both ``modes`` and its deprecated name ``strategies``.
     """
-    if strategies is not None:
-        if modes is not None:
-            raise TypeError(
-                "simulate() got both `modes=` and `strategies=` (the deprecated name of"
-                " `modes=`): give only `modes=`"
-            )
-        warnings.warn(
-            "simulate(strategies=...) is deprecated: use `modes=` (the rebalancing modes, as"
-            " `RebalanceConfig.mode` calls them)",
-            FutureWarning,
-            stacklevel=2,
-        )
-        modes = strategies
     modes = MODES if modes is None else modes
     _check_arguments(table, dp, ga, modes, batches, sync_every)
     overhead = step_overhead or StepOverhead()
