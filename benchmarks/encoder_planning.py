@@ -179,7 +179,7 @@ def rank_images(table: LengthTable, dp: int, packs_needed: int, args) -> RankIma
         i = np.asarray(big.image_tokens, dtype=np.int64)[ok]
         n = np.asarray(big.images, dtype=np.int64)[ok]
         plan = build_epoch_plan(
-            t, i, PackingConfig(seq_len=args.seq_len, seed=args.seed), world_size=dp, epoch=0
+            t, i, PackingConfig(seq_len=args.seq_len, seed=args.seed), num_replicas=dp, epoch=0
         )
         if plan.packs_per_rank >= packs_needed:
             break

@@ -113,7 +113,7 @@ def rank_costs(
         ok = t <= args.seq_len
         t, i, n = t[ok], np.asarray(big.image_tokens)[ok], np.asarray(big.images)[ok]
         plan = build_epoch_plan(
-            t, i, PackingConfig(seq_len=args.seq_len, seed=args.seed), world_size=dp, epoch=0
+            t, i, PackingConfig(seq_len=args.seq_len, seed=args.seed), num_replicas=dp, epoch=0
         )
         if plan.packs_per_rank >= packs_needed:
             break

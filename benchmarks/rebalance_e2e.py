@@ -233,13 +233,13 @@ def _rank_packs(
             image,
             images,
             config,
-            world_size=world,
+            num_replicas=world,
             epoch=0,
             balance=balance,
             cost_model=CostModel(),
         )
     else:
-        plan = build_epoch_plan(total, image, config, world_size=world, epoch=0)
+        plan = build_epoch_plan(total, image, config, num_replicas=world, epoch=0)
     need = (args.steps + args.warmup) * args.ga
     if plan.packs_per_rank < need:
         raise BenchmarkError(
@@ -349,7 +349,7 @@ def _rank_main(rank: int, world: int, mode: str, args: argparse.Namespace) -> di
     loader = RebalancingLoader(
         ReadAhead(_rank_packs(rank, world, args, mode), depth=args.read_ahead * args.ga),
         micro_steps=args.ga,
-        world_size=world,
+        num_replicas=world,
         rank=rank,
         group=dist.new_group(backend="gloo"),
         objective=args.sync_every,

@@ -119,23 +119,28 @@ class ReadAheadLoader(vb.PackedDataLoader):
         super().__init__(*args, **kwargs)
         self.read_ahead = read_ahead
 
-    def iter_packs(self) -> Iterator[dict[str, Any]]:
-        # what the "vlmbalance" strategy's rebalancing reads (unweighed: no collective per step)
-        inner = super().iter_packs()
-        return self._ahead(inner) if self.read_ahead > 0 else inner
+    def global_batches(self, micro_steps: int | None = None) -> Iterator[Any]:
+        # what the "vlmbalance" strategy's rebalancing reads (unweighed: no collective per
+        # step), an optimizer step at a time: as many steps ahead as make `read_ahead` packs
+        inner = super().global_batches(micro_steps)
+        size = micro_steps if micro_steps is not None else self._micro_steps()
+        steps = max(1, self.read_ahead // max(1, size))
+        return self._ahead(inner, steps) if self.read_ahead > 0 else inner
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         # plain "ddp" iterates the loader itself, which (given its trainer) weighs each step
         # with a collective that must stay on the training thread: that reads in line
         inner = super().__iter__()
-        return self._ahead(inner) if self.read_ahead > 0 and self.trainer is None else inner
+        if self.read_ahead > 0 and self.trainer is None:
+            return self._ahead(inner, self.read_ahead)
+        return inner
 
-    def _ahead(self, inner: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    def _ahead(self, inner: Iterator[Any], size: int) -> Iterator[Any]:
         end = object()
         first = next(inner, end)  # here: Lightning calls set_epoch before the first next()
         if first is end:
             return
-        ready: queue.Queue[Any] = queue.Queue(maxsize=self.read_ahead)
+        ready: queue.Queue[Any] = queue.Queue(maxsize=size)
         stop = threading.Event()
 
         def read() -> None:
@@ -388,7 +393,7 @@ def plan_waste(plan: Any, sampler: vb.PackingSampler, model: vb.CostModel, G: in
     )
     cost = model.pack_cost_ms(feats)
     cost[feats["total_tokens"] == 0] = 0.0
-    cost = cost.reshape(plan.world_size, -1)
+    cost = cost.reshape(plan.num_replicas, -1)
     wastes = []
     for k in range(0, cost.shape[1], G):
         per_rank = cost[:, k : k + G].sum(axis=1)

@@ -4,6 +4,7 @@ and objects pickled under the old module path still load)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from collections.abc import Callable, Mapping
@@ -31,3 +32,37 @@ def moved(
         return value
 
     return __getattr__
+
+
+def renamed_keyword(old: str, new: str, why: str = "") -> Callable[[Any], Any]:
+    """A function's keyword argument ``old`` renamed ``new`` (one word per concept,
+    ``docs/glossary.md``): ``old=`` still works, with a ``FutureWarning`` that says ``why``;
+    both given is a ``TypeError`` naming both."""
+
+    def wrap(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if old in kwargs:
+                name = fn.__qualname__.removesuffix(".__init__")
+                if new in kwargs:
+                    raise TypeError(f"`{name}({old}=..., {new}=...)`: give `{new}` only")
+                warnings.warn(
+                    f"`{name}({old}=...)` is now `{new}=...`{why}",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+# ``world_size`` where it meant the data-parallel ranks
+DP_RANKS = (
+    "world_size",
+    "num_replicas",
+    " (the data-parallel ranks; `world_size` is every process of the job, tensor-parallel"
+    " peers included: docs/glossary.md)",
+)

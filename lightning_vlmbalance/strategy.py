@@ -272,7 +272,7 @@ class Rebalancer:
         self.loader = RebalancingLoader(
             dataloader,  # type: ignore[arg-type]
             micro_steps=step.micro_steps,
-            world_size=step.world.size,
+            num_replicas=step.world.size,
             rank=step.world.rank,
             group=self.groups.exchange,
             group_ranks=self.groups.ranks,

@@ -54,6 +54,8 @@ from typing import Literal, get_args
 
 import numpy as np
 
+from lightning_vlmbalance._moved import DP_RANKS, renamed_keyword
+
 __all__ = ["OBJECTIVES", "RebalancePlan", "naive_moved_packs", "plan_rebalance"]
 
 Objective = Literal["microstep", "step", "both"]
@@ -135,10 +137,11 @@ def _waste(mean: float, value: float) -> float:
     return 1.0 - mean / value if value > 0 else 0.0
 
 
+@renamed_keyword(*DP_RANKS)
 def plan_rebalance(
     cost_N: np.ndarray,
     origin_N: np.ndarray,
-    world_size: int,
+    num_replicas: int,
     micro_steps: int,
     *,
     packs_per_micro_batch: int = 1,
@@ -151,7 +154,7 @@ def plan_rebalance(
         cost_N: integer cost of each pack (any unit; the planner only adds and compares).
         origin_N: the rank holding each pack; every rank holds ``micro_steps *
             packs_per_micro_batch`` packs.
-        world_size: ``R``, the number of ranks.
+        num_replicas: ``R``, the data-parallel ranks (``world_size=``, deprecated, still works).
         micro_steps: ``G``, micro-batches per rank per global batch.
         packs_per_micro_batch: ``K``; with ``K > 1`` a micro-batch's cost is the sum of its
             packs and phase 1 is a heuristic (the lower bound is then not always reachable).
@@ -164,7 +167,7 @@ def plan_rebalance(
 
     Raises:
         ValueError: on a bad shape, a non-integer or negative cost, an origin outside
-            ``[0, world_size)``, a rank holding the wrong number of packs, an unknown objective
+            ``[0, num_replicas)``, a rank holding the wrong number of packs, an unknown objective
             or a negative tolerance.
 
     Example::
@@ -173,7 +176,7 @@ def plan_rebalance(
         >>> plan.value, plan.baseline_value, plan.moved_packs
         (10, 10, 0)
     """
-    R, G, K = int(world_size), int(micro_steps), int(packs_per_micro_batch)
+    R, G, K = int(num_replicas), int(micro_steps), int(packs_per_micro_batch)
     cost_N, origin_N = _check_inputs(cost_N, origin_N, R, G, K, objective, tolerance)
     baseline_RGK = _baseline_assignment(origin_N, R, G, K)
     total = int(cost_N.sum())
@@ -229,10 +232,11 @@ def plan_rebalance(
     )
 
 
+@renamed_keyword(*DP_RANKS)
 def naive_moved_packs(
     cost_N: np.ndarray,
     origin_N: np.ndarray,
-    world_size: int,
+    num_replicas: int,
     packs_per_micro_batch: int = 1,
     *,
     _order_N: np.ndarray | None = None,
@@ -242,7 +246,7 @@ def naive_moved_packs(
     Packs sorted by cost (descending, ties by index) are cut into runs of ``R * K``, one per
     micro-step; inside a run each rank keeps up to ``K`` of its own packs and the rest move.
     """
-    R, K = int(world_size), int(packs_per_micro_batch)
+    R, K = int(num_replicas), int(packs_per_micro_batch)
     cost_N = np.asarray(cost_N)
     origin_N = np.asarray(origin_N, dtype=np.int64)
     order_N = _sorted_order(cost_N) if _order_N is None else _order_N
@@ -267,7 +271,7 @@ def _check_inputs(
 ) -> tuple[np.ndarray, np.ndarray]:
     if objective not in OBJECTIVES:
         raise ValueError(f"`plan_rebalance(objective={objective!r})`: expected one of {OBJECTIVES}")
-    for name, val in (("world_size", R), ("micro_steps", G), ("packs_per_micro_batch", K)):
+    for name, val in (("num_replicas", R), ("micro_steps", G), ("packs_per_micro_batch", K)):
         if val < 1:
             raise ValueError(f"`plan_rebalance({name}={val})` must be >= 1")
     if not (tolerance >= 0.0 and np.isfinite(tolerance)):
@@ -281,7 +285,7 @@ def _check_inputs(
         )
     if len(cost_N) != R * G * K:
         raise ValueError(
-            f"plan_rebalance: {len(cost_N)} packs, but world_size={R} x micro_steps={G} x"
+            f"plan_rebalance: {len(cost_N)} packs, but num_replicas={R} x micro_steps={G} x"
             f" packs_per_micro_batch={K} = {R * G * K}"
         )
     if cost_N.dtype.kind not in "iub" or origin_N.dtype.kind not in "iub":
@@ -304,7 +308,7 @@ def _check_inputs(
         bad = int(np.flatnonzero((origin_N < 0) | (origin_N >= R))[0])
         raise ValueError(
             f"plan_rebalance: pack {bad} has origin rank {int(origin_N[bad])}, outside"
-            f" [0, world_size={R})"
+            f" [0, num_replicas={R})"
         )
     held = np.bincount(origin_N, minlength=R)
     if (held != G * K).any():

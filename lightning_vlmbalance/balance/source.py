@@ -2,7 +2,7 @@
 
 Every rank computes the whole epoch plan from the length table, so it knows every pack of every
 rank at every step, and the pack cost features come from the same table. For a map-style dataset
-the sampler can therefore form each global batch (``world_size x micro_steps`` packs) so that its
+the sampler can therefore form each global batch (``num_replicas x micro_steps`` packs) so that its
 packs cost the same, and place them on ranks and micro-steps for the objective: no feature
 all-gather, no exchange, no thread.
 
@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lightning_vlmbalance._moved import DP_RANKS, renamed_keyword
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs, sample_features
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.packing.binpack import Packs
@@ -160,7 +161,7 @@ def form_balanced_batches(
         tokens, image_tokens: per sample id.
         cost: per sample id, the sample's additive cost (a pack's cost is the sum of its samples'
             plus ``pack_fixed_image_cost`` once if any of them has an image).
-        packs_per_batch: ``P = world_size x micro_steps``.
+        packs_per_batch: ``P = num_replicas x micro_steps``.
         seq_len: tokens per pack.
         settings: the algorithm's settings.
 
@@ -208,13 +209,14 @@ def sample_costs(
     return cost, image_pack
 
 
+@renamed_keyword(*DP_RANKS)
 def build_balanced_epoch_plan(
     total_tokens: np.ndarray,
     image_tokens: np.ndarray,
     images: np.ndarray,
     config: PackingConfig,
     *,
-    world_size: int,
+    num_replicas: int,
     epoch: int,
     balance: SourceBalance,
     cost_model: CostModel | None = None,
@@ -259,7 +261,7 @@ def build_balanced_epoch_plan(
         (start, model, *sample_costs(model, lengths, image_tokens, images))
         for start, model in schedule
     ]
-    R, G = world_size, balance.micro_steps
+    R, G = num_replicas, balance.micro_steps
     fallback = 0
     if balance.exact:
         batches, fallback = _exact_batches(
@@ -272,7 +274,7 @@ def build_balanced_epoch_plan(
     )
     return EpochPlan(
         epoch=epoch,
-        world_size=R,
+        num_replicas=R,
         rank_packs=rank_packs,
         rank_pack_ids=rank_ids,
         pack_tokens=np.asarray(tokens, dtype=np.int64),
@@ -433,7 +435,7 @@ def _exact_batches(
     were kept. ``costs``: per sample, from each ``(first batch, model, cost, fixed)`` on."""
     from lightning_vlmbalance.balance._source_kernel import balance_window, emit_packs
 
-    plain = build_epoch_plan(total_tokens, image_tokens, config, world_size=R, epoch=epoch)
+    plain = build_epoch_plan(total_tokens, image_tokens, config, num_replicas=R, epoch=epoch)
     n = plain.packs_per_rank
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     image_tokens = np.ascontiguousarray(image_tokens, dtype=np.int64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DataLoaderSettings"]
+__all__ = ["DataLoaderSettings", "OfSource", "check_dataloader_kwargs"]
 
 
 class DataLoaderSettings:
@@ -47,3 +47,26 @@ class DataLoaderSettings:
     @multiprocessing_context.setter
     def multiprocessing_context(self, context: Any) -> None:
         self._set("multiprocessing_context", context)
+
+
+class OfSource:
+    """A packed loader's attribute that is its pack source's (``loader.pack_source``): read
+    there, and set there (a setting changed after construction reaches the next pass, as it did
+    when the loader held it; an attribute of the loader's own would shadow it silently)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, loader: Any, owner: type | None = None) -> Any:
+        return self if loader is None else getattr(loader.pack_source, self.name)
+
+    def __set__(self, loader: Any, value: Any) -> None:
+        setattr(loader.pack_source, self.name, value)
+
+
+def check_dataloader_kwargs(owner: str, kwargs: dict[str, Any], decider: str) -> None:
+    """Refuses the inner ``DataLoader`` settings a loader of packs decides itself (one pack per
+    batch, formed by ``decider``), naming the setting."""
+    for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+        if key in kwargs:
+            raise ValueError(f"`{owner}({key}=...)` is decided by {decider}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,15 @@ from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loss import weigh_step
 from lightning_vlmbalance.packing.collate import cat_padded
 
-__all__ = ["COLUMNS", "GlobalBatchFormer", "cut_step", "image_payload_fields", "pack_features"]
+__all__ = [
+    "COLUMNS",
+    "GlobalBatchFormer",
+    "cut_step",
+    "cut_steps",
+    "handed_packs",
+    "image_payload_fields",
+    "pack_features",
+]
 
 # a resume inside an optimizer step saved by a RebalancingLoader: the step's first packs on
 # every rank that were trained before the checkpoint (the state's position is the step's start)
@@ -70,14 +78,62 @@ def pack_features(batch: Any) -> list[int]:
 
 
 def cut_step(
-    batches: list[Any], features: np.ndarray, world_size: int, keep: int
+    batches: list[Any], features: np.ndarray, num_replicas: int, keep: int
 ) -> tuple[list[Any], np.ndarray]:
     """The first ``keep`` micro-steps of a global batch on every rank (where the epoch's
     training batches end inside it: ``limit_train_batches``): this rank's packs and the feature
     table's rows of every rank's first ``keep``."""
     count = len(batches)
-    table = features.reshape(world_size, count, -1)[:, :keep]
-    return batches[:keep], table.reshape(world_size * keep, -1)
+    table = features.reshape(num_replicas, count, -1)[:, :keep]
+    return batches[:keep], table.reshape(num_replicas * keep, -1)
+
+
+def cut_steps(
+    steps: Iterable[tuple[list[Any], np.ndarray | None, int]],
+    *,
+    num_replicas: int,
+    start: Callable[[], int] | None,
+    stop: Callable[[], float] | None,
+) -> Iterator[tuple[list[Any], np.ndarray | None, int]]:
+    """A pass's optimizer steps ``(packs, features, lead)``, ending where the epoch's training
+    batches do (``stop()``, read at every step: ``limit_train_batches``, a re-planned epoch):
+    the step that crosses it keeps its first micro-steps on every rank (:func:`cut_step`).
+    ``start()`` is the pass's position in the epoch (read at the first step; its first step
+    starts ``lead`` packs before it); ``None``: the pass starts the epoch."""
+    position: int | None = None
+    for packs, features, lead in steps:
+        if position is None:
+            position = int(start()) - int(lead) if start is not None else 0
+        end = stop() if stop is not None else float("inf")
+        count = len(packs)
+        if position + count > end:
+            keep = int(max(0, end - position))
+            if keep == 0:
+                return
+            if features is None:
+                packs = packs[:keep]
+            else:
+                packs, features = cut_step(packs, features, num_replicas, keep)
+        yield packs, features, lead
+        position += count
+        if position >= end:
+            return
+
+
+def handed_packs(
+    former: GlobalBatchFormer,
+    steps: Iterable[tuple[list[Any], np.ndarray | None, int]],
+    handed: Callable[[Any, bool], None],
+) -> Iterator[Any]:
+    """The packs of each step ``former`` forms (:meth:`GlobalBatchFormer.formed`) in order, less
+    each step's lead (trained before the checkpoint the pass resumes from): the front of a
+    packed loader under a strategy that does not balance. ``handed(pack, trained)`` sees every
+    pack first, the lead's with ``trained=False``."""
+    for order, _, lead in former.formed(steps):
+        for k, pack in enumerate(order):
+            handed(pack, k >= lead)
+            if k >= lead:
+                yield pack
 
 
 class GlobalBatchFormer:
@@ -86,11 +142,11 @@ class GlobalBatchFormer:
     Args:
         micro_steps: micro-batches per rank per optimizer step (Lightning's divisor of the loss:
             a step cut short at the epoch's end is weighed with it all the same).
-        world_size: data-parallel ranks; ``rank``: this rank among them.
+        num_replicas: data-parallel ranks; ``rank``: this rank among them.
         group: the process group of the gather and the exchange (``None``: the world group).
         copies: processes of ``group`` per data-parallel rank (its tensor-parallel peers, which
             compute the same packs; consecutive in the group): the gather keeps one row each.
-        gradient_ranks: ranks the strategy averages gradients over (default ``world_size``).
+        gradient_ranks: ranks the strategy averages gradients over (default ``num_replicas``).
         gather_device: where the gathered features travel (the device of ``group``'s backend;
             default the CPU).
         config: mode, objective, tolerance, exchange timeout, encoder balancing (default
@@ -106,7 +162,7 @@ class GlobalBatchFormer:
         self,
         *,
         micro_steps: int,
-        world_size: int,
+        num_replicas: int,
         rank: int,
         group: dist.ProcessGroup | None = None,
         copies: int = 1,
@@ -122,11 +178,11 @@ class GlobalBatchFormer:
         returns: ReturnChannel | None = None,
     ) -> None:
         self.micro_steps = int(micro_steps)
-        self.world_size = int(world_size)
+        self.num_replicas = int(num_replicas)
         self.rank = int(rank)
         self.group = group
         self.copies = int(copies)
-        self.gradient_ranks = self.world_size if gradient_ranks is None else int(gradient_ranks)
+        self.gradient_ranks = self.num_replicas if gradient_ranks is None else int(gradient_ranks)
         self.gather_device = torch.device("cpu" if gather_device is None else gather_device)
         self.config = config if config is not None else RebalanceConfig(mode="off")
         self.group_ranks = list(group_ranks) if group_ranks is not None else None
@@ -157,14 +213,29 @@ class GlobalBatchFormer:
         """Global batches formed so far (the index the next one gets)."""
         return self._planned
 
+    # -- a pass's global batches ------------------------------------------------------------
+
+    def formed(
+        self, steps: Iterable[tuple[list[Any], np.ndarray | None, int]]
+    ) -> Iterator[tuple[list[Any], dict[str, float], int]]:
+        """Each optimizer step ``(packs, features, lead)`` of a pass formed: this rank's packs
+        in the order it computes them, the step's statistics, and the lead (this rank's first
+        packs of the step, in that order, trained before the checkpoint the pass resumes
+        from). ``features=None``: gathered here (:meth:`gather`)."""
+        for packs, features, lead in steps:
+            if features is None:
+                features = self.gather(packs)
+            order, stats = self.form(packs, features)
+            yield order, stats, lead
+
     # -- one global batch -------------------------------------------------------------------
 
     def gather(self, batches: list[Any]) -> np.ndarray:
         """Every rank's pack features of one global batch: one all-gather on ``group`` of this
-        rank's rows (:func:`pack_features`); ``(world_size * len(batches), len(COLUMNS))``,
+        rank's rows (:func:`pack_features`); ``(num_replicas * len(batches), len(COLUMNS))``,
         rank by rank. Every rank must hold as many packs."""
         local = torch.tensor([pack_features(b) for b in batches], dtype=torch.int64)
-        processes = self.world_size * self.copies
+        processes = self.num_replicas * self.copies
         if processes == 1:
             return local.numpy()
         local = local.to(self.gather_device)
@@ -178,7 +249,7 @@ class GlobalBatchFormer:
             ) from err
         # a tensor-parallel rank's peers hold the same packs: one row each
         rows = torch.stack(gathered[:: self.copies]).cpu()
-        return rows.reshape(self.world_size * len(batches), -1).numpy()
+        return rows.reshape(self.num_replicas * len(batches), -1).numpy()
 
     def form(self, batches: list[Any], features: np.ndarray) -> tuple[list[Any], dict[str, float]]:
         """This rank's packs of one global batch in the order it computes them, weighed, and the
@@ -187,10 +258,10 @@ class GlobalBatchFormer:
         cost_model = self.model_for_next_batch()
         global_tokens = int(features[:, LOSS_TOKENS].sum())
         stats: dict[str, float] = {"moved_packs": 0.0, "exchange_ms": 0.0}
-        if self.config.encoder and self.world_size > 1:
+        if self.config.encoder and self.num_replicas > 1:
             order, more = self._balance_encoder(batches, features, cost_model)
             stats.update(more)
-        elif self.config.mode == "off" or self.world_size == 1:
+        elif self.config.mode == "off" or self.num_replicas == 1:
             order = list(batches)
         else:
             order = self._place(batches, features, cost_model, stats)
@@ -207,7 +278,7 @@ class GlobalBatchFormer:
     ) -> list[Any]:
         """The pack exchange: plans where every pack of the global batch is computed, sends and
         receives the packs that move, and returns this rank's in micro-step order."""
-        G, W, r = len(batches), self.world_size, self.rank
+        G, W, r = len(batches), self.num_replicas, self.rank
         cost = cost_model.pack_cost_us({name: features[:, i] for i, name in enumerate(FEATURES)})
         origin = np.repeat(np.arange(W, dtype=np.int64), G)
         plan = plan_rebalance(
@@ -239,7 +310,7 @@ class GlobalBatchFormer:
         each batch given its ``encoder_route`` and ``encoder_fields`` (see
         :mod:`~lightning_vlmbalance.balance.encoder`). Returns this rank's batches in order and
         the statistics."""
-        W, G, r = self.world_size, len(batches), self.rank
+        W, G, r = self.num_replicas, len(batches), self.rank
         start = time.perf_counter()
         sizes = self._gather_image_sizes(batches, features)  # (W * G, K), rows per image
         routing = plan_image_routing(
@@ -345,7 +416,7 @@ class GlobalBatchFormer:
         for k, b in enumerate(batches):
             sizes = [int(x) for x in b["meta"]["image_sizes"]]
             local[k, : len(sizes)] = torch.tensor(sizes, dtype=torch.int64)
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        gathered = [torch.empty_like(local) for _ in range(self.num_replicas)]
         try:
             dist.all_gather(gathered, local, group=self.group)
         except RuntimeError as err:

@@ -10,27 +10,29 @@ checkpoint resumes with exactly the remaining packs.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, SequentialSampler
 
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.source import SourceBalance, build_balanced_epoch_plan
-from lightning_vlmbalance.loaders._dataloader_settings import DataLoaderSettings
-from lightning_vlmbalance.loaders.global_batch import STEP_LEAD, GlobalBatchFormer
-from lightning_vlmbalance.loss import optimizer_steps
-from lightning_vlmbalance.packing.collate import PackCollator, PackItem
+from lightning_vlmbalance.loaders._dataloader_settings import (
+    DataLoaderSettings,
+    OfSource,
+    check_dataloader_kwargs,
+)
+from lightning_vlmbalance.loaders.global_batch import GlobalBatchFormer, handed_packs
+from lightning_vlmbalance.loaders.map_source import MapPackSource
+from lightning_vlmbalance.packing.collate import PackCollator
 from lightning_vlmbalance.packing.plan import (
-    PADDING,
     EpochPlan,
     PackingConfig,
     as_length_column,
@@ -495,7 +497,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
                 self.total_tokens,
                 self.image_tokens,
                 self.config,
-                world_size=world,
+                num_replicas=world,
                 epoch=epoch,
             )
         return build_balanced_epoch_plan(
@@ -503,7 +505,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             self.image_tokens,
             self.images,
             self.config,
-            world_size=world,
+            num_replicas=world,
             epoch=epoch,
             # no trainer told how the ranks meet: once per step
             balance=self.source_balance.resolved(micro_steps=micro_steps, objective=objective),
@@ -559,96 +561,6 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         }
 
 
-def _image_feature_shape(dataset: Dataset, sampler: PackingSampler) -> tuple[int, ...] | None:
-    """Shape of one ``pixel_values`` row, read from the first sample with images (or None)."""
-    with_images = np.flatnonzero(sampler.image_tokens > 0)
-    if len(with_images) == 0:
-        return None
-    return tuple(torch.as_tensor(dataset[int(with_images[0])]["pixel_values"]).shape[1:])
-
-
-def _check_ranks_agree(sampler: PackingSampler, epoch: int) -> None:
-    """All ranks must plan ``epoch`` from the same table and settings, or DDP would hang on
-    unequal step counts: one small all-gather per pass turns that into an error on every rank."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    world = data_parallel_world().world_size
-    if world == 1:
-        return
-    # every rank of the world, tensor-parallel peers too: they plan the same packs
-    mine = (epoch, sampler.packs_per_rank(epoch), json.dumps(sampler.fingerprint(), sort_keys=True))
-    everyone: list[Any] = [None] * world
-    torch.distributed.all_gather_object(everyone, mine)
-    if any(other != everyone[0] for other in everyone):
-        detail = "; ".join(
-            f"rank {r}: epoch {e}, {n} packs, {json.loads(f)}"
-            for r, (e, n, f) in enumerate(everyone)
-        )
-        raise ValueError(f"the ranks disagree on the packing plan (config mismatch): {detail}")
-
-
-def check_dataloader_kwargs(owner: str, kwargs: dict[str, Any], decider: str) -> None:
-    """Refuses the inner ``DataLoader`` settings a loader of packs decides itself (one pack per
-    batch, formed by ``decider``), naming the setting."""
-    for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
-        if key in kwargs:
-            raise ValueError(f"`{owner}({key}=...)` is decided by {decider}")
-
-
-class _PackDataset(Dataset):
-    """Fetches the samples of a pack and checks each against the length table."""
-
-    def __init__(self, dataset: Dataset, sampler: PackingSampler, collate_fn: PackCollator) -> None:
-        self.dataset = dataset
-        self.total_tokens = sampler.total_tokens
-        self.image_tokens = sampler.image_tokens
-        self.lengths = getattr(collate_fn, "sample_lengths", PackCollator.sample_lengths)
-
-    def __getitem__(self, key: tuple[int, int]) -> PackItem:
-        pack_id, index = key
-        if pack_id == PADDING:
-            return PackItem(pack_id, -1, None)
-        sample = self.dataset[index]
-        n, n_image = self.lengths(sample, index)
-        if n != self.total_tokens[index] or n_image != self.image_tokens[index]:
-            raise ValueError(
-                f"sample {index} has {n} tokens ({n_image} image tokens) but the length table"
-                f" says {int(self.total_tokens[index])} ({int(self.image_tokens[index])}): the"
-                " length table does not match the dataset"
-            )
-        return PackItem(pack_id, index, sample)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-
-class _PackRefs(Sampler[list[tuple[int, int]]]):
-    """The batch sampler of the inner ``DataLoader``: one batch = one pack.
-
-    It reads the packs to yield from its ``PackedDataLoader`` at each iteration, so one inner
-    ``DataLoader`` (and its persistent workers) serves every epoch and every resume position.
-    """
-
-    def __init__(self, owner: PackedDataLoader) -> None:
-        self.owner = owner
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        owner = self.owner
-        refs, k = owner._refs, 0  # the pass's list: a re-plan changes its tail in place
-        while True:
-            with owner._refs_lock:
-                if k >= len(refs):
-                    return
-                pack_id, ids = refs[k]
-                k += 1
-                if owner._refs is refs:
-                    owner._refs_yielded = k
-            yield [(pack_id, i) for i in ids.tolist()] if pack_id != PADDING else [(PADDING, -1)]
-
-    def __len__(self) -> int:
-        return len(self.owner._refs)
-
-
 class PackedDataLoader(DataLoaderSettings):
     """A Lightning-ready, resumable loader of packed batches (one pack per batch).
 
@@ -657,6 +569,10 @@ class PackedDataLoader(DataLoaderSettings):
     ``Trainer(use_distributed_sampler=True)``), calls ``set_epoch`` on its ``sampler`` every epoch,
     and saves/restores its ``state_dict`` in checkpoints, which resumes mid-epoch with exactly the
     remaining packs.
+
+    It is the Lightning front of a :class:`~lightning_vlmbalance.loaders.map_source.
+    MapPackSource` (``pack_source``: the packs, the positions, the states), which holds no
+    trainer.
 
     Args:
         dataset: map-style dataset of samples (see :mod:`~lightning_vlmbalance.packing.collate`).
@@ -682,6 +598,10 @@ class PackedDataLoader(DataLoaderSettings):
     # Lightning inspects ``sampler`` / ``batch_sampler`` like a DataLoader's (set_epoch, the
     # shuffle check of validation loaders): packs come from ``sampler``, there is no batch sampler
     batch_sampler = None
+    # the pack source's (read and set there)
+    dataset = OfSource()
+    sampler = OfSource()
+    collate_fn = OfSource()
 
     def __init__(
         self,
@@ -692,36 +612,15 @@ class PackedDataLoader(DataLoaderSettings):
         trainer: Any = _NO_TRAINER,
         **dataloader_kwargs: Any,
     ) -> None:
-        if len(dataset) != len(sampler.total_tokens):
-            raise ValueError(
-                f"the dataset has {len(dataset)} samples but the sampler's length table has"
-                f" {len(sampler.total_tokens)}: the length table does not match the dataset"
-            )
         check_dataloader_kwargs("PackedDataLoader", dataloader_kwargs, "the PackingSampler")
-        self.dataset = dataset
-        self.sampler = sampler
+        self.dataloader_kwargs = dataloader_kwargs
+        self.pack_source = MapPackSource(dataset, sampler, collate_fn, dataloader_kwargs)
         # `trainer=self.trainer` where it is still None (a DataModule's __init__ runs before the
         # Trainer is attached): said in the error a weighted loss raises
         self._given_none = trainer is None
         self.trainer = None if trainer is _NO_TRAINER else trainer
-        self.collate_fn = collate_fn or PackCollator(sampler.config.seq_len)
-        self.dataloader_kwargs = dataloader_kwargs
-        self._resume_epoch: int | None = None
-        self._resume_at = 0
         self._told_len: int | None = None  # what ``len`` first answered without a trainer
         self._len_warned = False
-        self._iter_epoch: int | None = None
-        self._pending = False
-        self._start = 0
-        self._delivered = 0
-        self._refs: list[tuple[int, np.ndarray]] = []
-        self._refs_lock = threading.Lock()
-        self._refs_yielded = 0  # packs of ``_refs`` the inner DataLoader has asked for
-        self._inner: DataLoader | None = None
-        if sampler.config.overlong == "truncate":
-            self.collate_fn.truncate_text = True
-        if self.collate_fn.image_feature_shape is None:
-            self.collate_fn.image_feature_shape = _image_feature_shape(dataset, sampler)
 
     def _adopt_data_parallel(self) -> None:
         """Under tensor parallelism, plan over the strategy's data-parallel group; a balanced
@@ -741,7 +640,7 @@ class PackedDataLoader(DataLoaderSettings):
             # loader's state is loaded): answer for the epoch it is about to train
             epoch = seam.epoch_to_train(self.trainer)
             packs = self.sampler.packs_per_rank(self._plan_epoch(epoch))
-            if self._iter_epoch is None:  # before this loader's first pass: see _longest_plan
+            if self.pack_source._iter_epoch is None:  # before the first pass: _longest_plan
                 packs = max(packs, self._longest_plan(epoch))
             return packs
         if self.trainer is not None:  # validation, test, predict: epoch 0's plan, every time
@@ -768,6 +667,9 @@ class PackedDataLoader(DataLoaderSettings):
     def _training(self) -> bool:
         return self.trainer is not None and self.trainer.training
 
+    def _overfitting(self) -> bool:
+        return self._training() and self.trainer.overfit_batches > 0
+
     def _plan_epoch(self, epoch: int) -> int:
         """The plan read in ``epoch``: with ``Trainer(overfit_batches=N)`` the first ``N``
         packs of epoch 0's plan, every epoch. Outside training (a loader given its trainer for
@@ -778,41 +680,48 @@ class PackedDataLoader(DataLoaderSettings):
             return 0
         return 0 if self._overfitting() else epoch
 
+    # -- iteration ---------------------------------------------------------------------------
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self._pending = True
-        return self._generate(weigh=True)
+        self.pack_source.begin()
+        return self._generate()
 
-    def iter_packs(self) -> Iterator[dict[str, Any]]:
-        """This pass's packs neither grouped into optimizer steps nor weighed: for a loader that
-        forms the global batches itself (a :class:`~lightning_vlmbalance.RebalancingLoader`,
-        which the ``"vlmbalance"`` strategies make), so each step is weighed once."""
-        self._pending = True
-        return self._generate(weigh=False)
+    def global_batches(
+        self, micro_steps: int | None = None
+    ) -> Iterator[tuple[list[dict[str, Any]], None, int]]:
+        """The pass's optimizer steps, not weighed, for a loader that forms the global batches
+        itself (a :class:`~lightning_vlmbalance.RebalancingLoader`, which the ``"vlmbalance"``
+        strategies make): per step of ``micro_steps`` packs (default the Trainer's), this
+        rank's packs, ``None`` (no features agreed yet) and how many of its first packs a
+        resume inside the step trained before (as :class:`PackedStreamLoader`'s)."""
+        self.pack_source.begin()
 
-    def _generate(self, weigh: bool) -> Iterator[dict[str, Any]]:
-        # The epoch and the start are read at the first ``next()``, not at ``iter()``: Lightning
-        # creates the iterator before it calls ``set_epoch`` for the epoch.
-        self._pending = False
+        def steps() -> Iterator[tuple[list[dict[str, Any]], None, int]]:
+            size = micro_steps if micro_steps is not None else self._micro_steps()
+            self._open(size)
+            for packs, features, skip in self.pack_source.global_batches(size, self._stop()):
+                for k, pack in enumerate(packs):
+                    self.pack_source.handed(pack, trained=k >= skip)
+                yield packs, features, skip
+
+        return steps()
+
+    def _micro_steps(self) -> int:
+        return step_spec(self.trainer).micro_steps if self.trainer is not None else 1
+
+    def _stop(self) -> Any:
+        """Where the epoch's training batches end (``limit_train_batches``, a re-planned
+        epoch's length): read at every step; ``None`` outside training."""
+        trainer = self.trainer
+        return (lambda: trainer.num_training_batches) if self._training() else None
+
+    def _open(self, micro_steps: int) -> int:
+        """Opens the pass of the sampler's epoch (at the first ``next()``: Lightning creates the
+        iterator before it calls ``set_epoch``) and tells the training loop its length."""
         self._adopt_data_parallel()
-        # the epoch is Lightning's (what a checkpoint saves); the plan trained in it is epoch
-        # 0's when overfitting
-        epoch, start = self.sampler.epoch, 0
-        plan_epoch = self._plan_epoch(epoch)
-        if self._resume_epoch is not None:
-            if self._resume_epoch == epoch:
-                start = self._resume_at
-            self._resume_epoch = None
-        weighed = weigh and self._training()
-        # a resume inside an optimizer step (a checkpoint at a mid-epoch validation or on an
-        # exception) reads the step from its first pack again: its loss weight counts the
-        # tokens of the whole step; the packs trained before the checkpoint are not handed on
-        lead = start % step_spec(self.trainer).micro_steps if weighed else 0
-        start -= lead
-        self._iter_epoch, self._start, self._delivered = epoch, start, 0
-        refs = self.sampler.pack_refs(start, epoch=plan_epoch)
-        with self._refs_lock:
-            self._refs, self._refs_yielded = refs, 0
-        _check_ranks_agree(self.sampler, plan_epoch)
+        epoch = self.sampler.epoch  # Lightning's (what a checkpoint saves)
+        plan_epoch = self._plan_epoch(epoch)  # epoch 0's when overfitting
+        lead = self.pack_source.open(plan_epoch, micro_steps)
         packs = self.sampler.packs_per_rank(plan_epoch)
         if self._training():
             # epochs differ in pack count; Lightning keeps the count it read before the first
@@ -825,34 +734,47 @@ class PackedDataLoader(DataLoaderSettings):
                 " trainer (`PackedDataLoader(..., trainer=self.trainer)`): it then tells"
                 " Lightning each training epoch's length, and evaluates epoch 0's plan every"
                 " time",
-                stacklevel=2,
+                stacklevel=3,
             )
             self._len_warned = True  # said once
-        if self._inner is None:
-            self._inner = DataLoader(
-                _PackDataset(self.dataset, self.sampler, self.collate_fn),
-                batch_sampler=_PackRefs(self),
-                collate_fn=self.collate_fn,
-                **self.dataloader_kwargs,
-            )
-        batches: Iterable[dict[str, Any]] = self._inner
+        return lead
+
+    def _generate(self) -> Iterator[dict[str, Any]]:
+        """The pass's packs: while training, each optimizer step formed (weighed) by a
+        :class:`~lightning_vlmbalance.loaders.global_batch.GlobalBatchFormer` (one small
+        all-gather of the packs' features per step, on the world group); otherwise as read."""
+        weighed = self._training()
         if weighed:
-            batches = self._weighted_steps(self.trainer, start)
-        for batch in batches:
-            self._delivered += 1
+            spec = step_spec(self.trainer)
+            world = spec.world
+            self._open(spec.micro_steps)
+            former = GlobalBatchFormer(
+                micro_steps=spec.micro_steps,
+                num_replicas=world.size,
+                rank=world.rank,
+                copies=world.copies,
+                gradient_ranks=world.gradient_ranks,
+                gather_device=self.trainer.strategy.root_device,
+            )
+            steps = self.pack_source.global_batches(spec.micro_steps, self._stop())
+            packs = handed_packs(former, steps, self.pack_source.handed)
+        else:
+            self._open(1)
+            packs = self.pack_source.packs()
+        for batch in packs:
+            if not weighed:
+                self.pack_source.handed(batch)
             if self._given_none and self.trainer is None and isinstance(batch.get("meta"), dict):
                 batch["meta"]["loader_trainer_was_none"] = True
-            if self._delivered > lead:
-                yield batch
+            yield batch
+
+    # -- positions, calibration --------------------------------------------------------------
 
     def read_position(self) -> int | None:
         """How far into this rank's packs of the epoch the inner ``DataLoader`` has asked for
         packs (at least what was delivered: workers and read-ahead ask earlier); ``None``
         without a pass of the current epoch in progress."""
-        if self._pending or self._iter_epoch != self.sampler.epoch:
-            return None
-        with self._refs_lock:
-            return self._start + self._refs_yielded
+        return self.pack_source.read_position()
 
     def adopt_cost_model(self, model: CostModel, *, after: int | None) -> int | None:
         """Online calibration of a balanced sampler: re-plans the rest of the epoch with
@@ -870,72 +792,32 @@ class PackedDataLoader(DataLoaderSettings):
         """
         if not self.sampler.balanced or self._overfitting():
             return None
-        epoch = self._plan_epoch(self.sampler.epoch)
-        if after is None or self.read_position() is None:
-            self.sampler.adopt_cost_model(model, epoch=epoch, from_batch=None)
-            return None
-        G = self.sampler.micro_steps
-        first = -(-int(after) // G) + 1
-        with self._refs_lock:
-            mine = self._start + self._refs_yielded
-            if mine > first * G:
-                raise RuntimeError(
-                    f"PackedDataLoader: this rank has read {mine} packs of epoch {epoch} but the"
-                    f" cost model changes at global batch {first} (pack {first * G}): `after`"
-                    " must be the furthest position any rank has read"
-                )
-            if not self.sampler.adopt_cost_model(model, epoch=epoch, from_batch=first):
-                return None
-            self._refs[first * G - self._start :] = self.sampler.pack_refs(first * G, epoch)
-        if self._training():
+        first = self.pack_source.replan(model, self._plan_epoch(self.sampler.epoch), after)
+        if first is not None and self._training():
             seam.refresh_epoch_batches(self.trainer)  # the re-planned epoch's length
         return first
-
-    def _overfitting(self) -> bool:
-        return self._training() and self.trainer.overfit_batches > 0
-
-    def _weighted_steps(self, trainer: Any, start: int) -> Iterator[dict[str, Any]]:
-        """The inner batches, one optimizer step read ahead at a time, each formed (weighed) by
-        the :class:`~lightning_vlmbalance.loaders.global_batch.GlobalBatchFormer`: one small
-        all-gather of the packs' features per step, on the world group."""
-        spec = step_spec(trainer)
-        world = spec.world
-        former = GlobalBatchFormer(
-            micro_steps=spec.micro_steps,
-            world_size=world.size,
-            rank=world.rank,
-            copies=world.copies,
-            gradient_ranks=world.gradient_ranks,
-            gather_device=trainer.strategy.root_device,
-        )
-        for step in optimizer_steps(
-            self._inner,
-            micro_steps=spec.micro_steps,
-            start=lambda: start,
-            stop=lambda: trainer.num_training_batches,
-        ):
-            order, _ = former.form(step, former.gather(step))
-            yield from order
 
     @property
     def _iterator(self) -> Any:
         """The inner ``DataLoader``'s persistent iterator (``persistent_workers=True``): Lightning
         shuts its workers down at the end of ``fit`` (and of a validation run) through it, as it
         does for a ``DataLoader``."""
-        return None if self._inner is None else self._inner._iterator
+        inner = self._made_loader()
+        return None if inner is None else inner._iterator
 
     @_iterator.setter
     def _iterator(self, value: Any) -> None:
-        if self._inner is not None:
-            self._inner._iterator = value
+        inner = self._made_loader()
+        if inner is not None:
+            inner._iterator = value
 
     def _made_loader(self) -> DataLoader | None:
-        return self._inner
+        return self.pack_source._inner
 
     @property
     def start(self) -> int:
-        """Position in this rank's packs where the current pass started (> 0 after a resume)."""
-        return self._start if self._iter_epoch == self.sampler.epoch else 0
+        """Position in this rank's packs where the current pass resumed (0: from the start)."""
+        return self.pack_source.start
 
     @property
     def consumed(self) -> int:
@@ -944,57 +826,24 @@ class PackedDataLoader(DataLoaderSettings):
         Lightning's training loop does not fetch ahead of a loader whose length it knows (this
         one), so when it saves a checkpoint every delivered pack has been trained on.
         """
-        if self._resume_epoch is not None:  # restored, not iterated yet
-            return self._resume_at if self._resume_epoch == self.sampler.epoch else 0
-        if self._pending or self._iter_epoch != self.sampler.epoch:
-            return 0  # a new pass or a new epoch: nothing of it is consumed yet
-        return self._start + self._delivered
+        return self.pack_source.consumed
+
+    # -- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        consumed = self.consumed
-        in_progress = not self._pending and self._resume_epoch is None
-        if in_progress and self.trainer is not None and self._iter_epoch == self.sampler.epoch:
+        consumed = self.pack_source.consumed
+        if self.trainer is not None and self.pack_source.in_progress():
             # where Lightning resumes a checkpoint saved now: a batch delivered to a step that
             # failed (a checkpoint on the exception) is run again
             consumed = seam.resume_position(self.trainer)
-        state = {
-            "epoch": self.sampler.epoch,
-            "consumed": consumed,
-            "fingerprint": self.sampler.fingerprint(),
-        }
-        if self.sampler.balanced:  # the cost models the epoch is planned with (calibration)
-            state["cost_schedule"] = self.sampler.schedule_state()
-        return state
+        return self.pack_source.state(consumed)
 
     def state_at(self, position: int) -> dict[str, Any]:
         """The state that resumes at ``position`` of the pass in progress: what a wrapper that
-        reads ahead (:class:`~lightning_vlmbalance.RebalancingLoader`) saves,
-        the packs it has handed on rather than those it has read. Without a pass of the
-        current epoch in progress, :meth:`state_dict`."""
-        state = self.state_dict()
-        in_progress = not self._pending and self._resume_epoch is None
-        if in_progress and self._iter_epoch == self.sampler.epoch:
-            state["consumed"] = int(position)
-        return state
+        reads ahead (:class:`~lightning_vlmbalance.RebalancingLoader`) saves, the packs it has
+        handed on rather than those it has read (inside an optimizer step too). Without a pass
+        of the current epoch in progress, where the epoch stands."""
+        return self.pack_source.state_at(position)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved, current = state_dict["fingerprint"], self.sampler.fingerprint()
-        diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
-        if diff:
-            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(
-                "cannot resume the PackedDataLoader: the packing settings or the dataset changed"
-                f" since the checkpoint ({detail})"
-            )
-        self._resume_epoch = int(state_dict["epoch"])
-        # saved by a RebalancingLoader inside an optimizer step (another strategy's fit): the
-        # packs of the step trained before count as consumed; the step is read whole again
-        self._resume_at = int(state_dict["consumed"]) + int(state_dict.get(STEP_LEAD, 0))
-        self.sampler.set_epoch(self._resume_epoch)
-        if self.sampler.balanced and state_dict.get("cost_schedule"):
-            self.sampler.load_schedule_state(
-                self._plan_epoch(self._resume_epoch), state_dict["cost_schedule"]
-            )
-        log.info(
-            "PackedDataLoader resumes epoch %d at pack %d", self._resume_epoch, self._resume_at
-        )
+        self.pack_source.restore(state_dict, self._plan_epoch)

@@ -36,6 +36,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -44,15 +45,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_vlmbalance._moved import DP_RANKS, renamed_keyword
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.encoder import ReturnChannel
 from lightning_vlmbalance.balance.exchange import ExchangeError, wait_pack_ready
 from lightning_vlmbalance.balance.model_schedule import ModelSchedule
 from lightning_vlmbalance.loaders.global_batch import (
-    STEP_LEAD,
     GlobalBatchFormer,
-    cut_step,
+    cut_steps,
     image_payload_fields,
     pack_features,
 )
@@ -72,13 +73,16 @@ EXCHANGE_THREAD = "vlmbalance-exchange"
 @runtime_checkable
 class ResumablePackSource(Protocol):
     """What a :class:`RebalancingLoader` needs of the loader it wraps to be resumable itself
-    (:class:`~lightning_vlmbalance.PackedDataLoader` is one; a streamed source can be).
+    (:class:`~lightning_vlmbalance.PackedDataLoader` and
+    :class:`~lightning_vlmbalance.PackedStreamLoader` are).
 
-    ``start`` is the position (in the pass's epoch or stream) of the pass's first batch, read
-    after that batch was fetched; ``state_at(position)`` is the checkpoint state that resumes at
-    ``position`` of the pass in progress; ``state_dict`` / ``load_state_dict`` as for Lightning.
-    A loader without them makes the wrapper not resumable (Lightning then warns on a mid-epoch
-    resume): the wrapper reads ahead, so the inner loader's own position would skip packs.
+    ``start`` is the position (in the pass's epoch or stream) where the pass resumed, read after
+    its first batch was fetched; ``state_at(position)`` is the checkpoint state that resumes at
+    ``position`` of the pass in progress (inside an optimizer step too: the loader's
+    ``global_batches()`` then starts at the step's first batch and says how many of them were
+    trained); ``state_dict`` / ``load_state_dict`` as for Lightning. A loader without them
+    makes the wrapper not resumable (Lightning then warns on a mid-epoch resume): the wrapper
+    reads ahead, so the inner loader's own position would skip packs.
     """
 
     @property
@@ -105,7 +109,7 @@ class _Pass:
     one: no rank is left in a collective its peers never enter.
     """
 
-    def __init__(self, owner: RebalancingLoader, batches: Iterator[tuple[list, Any]]) -> None:
+    def __init__(self, owner: RebalancingLoader, batches: Iterator[tuple[list, Any, int]]) -> None:
         self.num_threads = torch.get_num_threads()  # the training process's setting
         self.ready: queue.Queue[Any] = queue.Queue(maxsize=1)
         self.permits = threading.Semaphore(1)
@@ -115,18 +119,19 @@ class _Pass:
         )
         self.thread.start()
 
-    def _produce(self, owner: RebalancingLoader, batches: Iterator[tuple[list, Any]]) -> None:
+    def _produce(self, owner: RebalancingLoader, batches: Iterator[tuple[list, Any, int]]) -> None:
         # torch's thread count is each OS thread's own OpenMP setting: without this, this
         # thread's operators would run on as many threads as the machine has cores, whatever
         # the training process set
         torch.set_num_threads(self.num_threads)
         try:
             while self._permit():
-                group = next(batches, None)
-                if group is None:
+                step = next(batches, None)
+                if step is None:
                     self._put(_END)
                     return
-                if not self._put(owner._rebalance(*group)):
+                packs, features, lead = step
+                if not self._put((*owner._rebalance(packs, features), lead)):
                     return
         except BaseException as err:  # handed to the consumer, which raises it
             self._put(_Failure(err))
@@ -149,10 +154,12 @@ class _Pass:
                 continue
         return False
 
-    def taken(self, timeout_s: float, rank: int) -> Iterator[tuple[list[Any], dict[str, float]]]:
-        """The prepared global batches in order, each ``(packs, statistics)`` with the time the
-        consumer waited for it (``exposed_exchange_ms``); a failure of the producer is raised
-        here, in the consumer's thread."""
+    def taken(
+        self, timeout_s: float, rank: int
+    ) -> Iterator[tuple[list[Any], dict[str, float], int]]:
+        """The prepared global batches in order, each ``(packs, statistics, lead)`` with the
+        time the consumer waited for it (``exposed_exchange_ms``); a failure of the producer is
+        raised here, in the consumer's thread."""
         while True:
             start = time.perf_counter()
             try:
@@ -168,9 +175,9 @@ class _Pass:
                 return
             if isinstance(item, _Failure):
                 raise item.error
-            ready, stats = item
+            ready, stats, lead = item
             stats["exposed_exchange_ms"] = waited_ms
-            yield ready, stats
+            yield ready, stats, lead
 
     def shutdown(self, timeout_s: float) -> None:
         self.stop.set()
@@ -235,7 +242,8 @@ class RebalancingLoader(_LooksLikeItsLoader):
     Args:
         loader: this rank's iterable of packed batches, with ``len``.
         micro_steps: micro-batches per rank per global batch (the fit's ``StepSpec.micro_steps``).
-        world_size: ranks in ``group``; ``rank``: this rank in it.
+        num_replicas: the data-parallel ranks (in ``group``); ``rank``: this rank among them.
+            (``world_size=``: deprecated, still works.)
         group: process group for the feature gather and the exchange (``None``: the world).
         cost_model: pack cost model (default :class:`CostModel`), when no ``models`` are given.
         models: the fit's :class:`~lightning_vlmbalance.balance.model_schedule.ModelSchedule`
@@ -276,12 +284,13 @@ class RebalancingLoader(_LooksLikeItsLoader):
         ValueError: for a bad setting (naming it).
     """
 
+    @renamed_keyword(*DP_RANKS)
     def __init__(
         self,
         loader: Iterable[Any],
         *,
         micro_steps: int,
-        world_size: int,
+        num_replicas: int,
         rank: int,
         group: dist.ProcessGroup | None = None,
         cost_model: CostModel | None = None,
@@ -305,27 +314,28 @@ class RebalancingLoader(_LooksLikeItsLoader):
         self.config = config.resolved(sync_every_micro_batch=True)
         self.loader = loader
         self.micro_steps = micro_steps
-        self.world_size = world_size
+        self.num_replicas = num_replicas
         self.rank = rank
         self.group = group
-        if group_ranks is not None and len(group_ranks) != world_size:
+        if group_ranks is not None and len(group_ranks) != num_replicas:
             raise ValueError(
-                f"`RebalancingLoader(group_ranks={list(group_ranks)})` must name {world_size} ranks"
+                f"`RebalancingLoader(group_ranks={list(group_ranks)})` must name"
+                f" {num_replicas} ranks"
             )
         if models is not None and cost_model is not None:
             raise ValueError("`RebalancingLoader(cost_model=..., models=...)`: not both")
-        if self.config.encoder and self.config.mode == "overlap" and world_size > 1:
+        if self.config.encoder and self.config.mode == "overlap" and num_replicas > 1:
             if encoder_group is None and (returns is None or returns.group is None):
                 raise ValueError(
                     "`RebalancingLoader(encoder=True, mode='overlap')` needs an `encoder_group`"
-                    " of its own when world_size > 1: the embeddings return in the training"
+                    " of its own when num_replicas > 1: the embeddings return in the training"
                     " step while this loader's thread runs collectives on `group`"
                 )
         # forms every global batch: gathers, plans, exchanges, routes images, weighs; reads the
         # cost model planning each one from the fit's schedule
         self.former = GlobalBatchFormer(
             micro_steps=micro_steps,
-            world_size=world_size,
+            num_replicas=num_replicas,
             rank=rank,
             group=group,
             config=self.config,
@@ -347,16 +357,23 @@ class RebalancingLoader(_LooksLikeItsLoader):
         self.moved_images_total = 0  # images encoded on another rank than their pack's
         self.encoder_bytes_total = 0  # image bytes this rank received to encode
         self._pass: _Pass | None = None  # the overlapped pass in progress
-        self._pass_start: int | None = None  # inner position where this pass started
-        self._yielded = 0
-        # a resume inside an optimizer step: the inner loader starts at the step's first batch,
-        # the step is formed whole again, and this rank's first `_lead` batches of it (trained
-        # before the checkpoint) are not handed on
-        self._lead = 0
+        self._pass_start: int | None = None  # position of the pass's first step in the epoch
+        self._yielded = 0  # batches of the pass passed (handed on, or a resumed step's lead)
 
     @property
     def mode(self) -> str:
         return self.config.mode
+
+    @property
+    def world_size(self) -> int:
+        """Deprecated: :attr:`num_replicas` (``world_size`` is every process of the job)."""
+        warnings.warn(
+            "`RebalancingLoader.world_size` is now `num_replicas` (the data-parallel ranks:"
+            " docs/glossary.md)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.num_replicas
 
     @property
     def exchange_timeout_s(self) -> float:
@@ -372,7 +389,7 @@ class RebalancingLoader(_LooksLikeItsLoader):
         return (self.loader,), {}  # a copy picks its class as the original did
 
     def __iter__(self) -> Iterator[Any]:
-        overlapped = self.mode == "overlap" and self.world_size > 1
+        overlapped = self.mode == "overlap" and self.num_replicas > 1
         return self._count(self._iter_overlapped() if overlapped else self._iter_inline())
 
     def close(self) -> None:
@@ -383,97 +400,73 @@ class RebalancingLoader(_LooksLikeItsLoader):
             current.shutdown(self.exchange_timeout_s)
         self.former.ready_events.clear()
 
-    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _count(self, steps: Iterator[tuple[list[Any], int]]) -> Iterator[Any]:
+        """The batches of each formed step, less its lead: a resume inside an optimizer step
+        forms the step whole again, and this rank's first ``lead`` batches of it were trained
+        before the checkpoint."""
         self._pass_start, self._yielded = None, 0
-        for batch in batches:
+        for ready, lead in steps:
             if self._pass_start is None:  # the inner loader resolves its start at first next()
-                self._pass_start = self._inner_start()
-            if self._lead:  # trained before the checkpoint this pass resumes from
-                self._lead -= 1
-                self._pass_start += 1
-                continue
-            self._yielded += 1
-            event = self.former.ready_events.pop(id(batch), None)
-            if event is not None:  # received on the GPU: the consumer's stream waits for it
-                wait_pack_ready(batch, event)
-            yield batch
+                self._pass_start = self._inner_start() - lead
+            for k, batch in enumerate(ready):
+                self._yielded += 1
+                if k < lead:
+                    continue
+                event = self.former.ready_events.pop(id(batch), None)
+                if event is not None:  # received on the GPU: the consumer's stream waits for it
+                    wait_pack_ready(batch, event)
+                yield batch
 
     # -- iteration --------------------------------------------------------------------------
 
-    def _global_batches(self) -> Iterator[tuple[list[Any], np.ndarray | None]]:
-        """The inner loader's optimizer steps, each with the features its ranks agreed on
-        (``None``: this loader gathers them), aligned to the epoch: after a resume at position
-        ``p`` the first step is ``G - p % G`` batches; the last one is cut where the epoch's
-        training batches end (``epoch_batches``).
+    def _global_batches(self) -> Iterator[tuple[list[Any], np.ndarray | None, int]]:
+        """The inner loader's optimizer steps, each ``(batches, features, lead)``: the features
+        its ranks agreed on (``None``: this loader gathers them) and how many of this rank's
+        first batches a resume inside the step trained before; the last one is cut where the
+        epoch's training batches end (``epoch_batches``,
+        :func:`~lightning_vlmbalance.loaders.global_batch.cut_steps`).
 
-        A loader that forms its global batches itself (``global_batches()``: a
-        :class:`~lightning_vlmbalance.PackedStreamLoader`, whose ranks agree on every step
-        anyway) hands them over with their features: one collective per global batch. A loader
-        with ``iter_packs()`` (a :class:`~lightning_vlmbalance.PackedDataLoader`) hands its
-        packs unweighed; any other loader is iterated as it is."""
+        A packed loader (:class:`~lightning_vlmbalance.PackedDataLoader`,
+        :class:`~lightning_vlmbalance.PackedStreamLoader`) hands its steps over
+        (``global_batches()``, unweighed; a stream's with the features its ranks agreed on:
+        one collective per global batch). Any other loader is grouped here, from the epoch's
+        position of its first batch (``epoch_position``)."""
         formed = getattr(self.loader, "global_batches", None)
         if callable(formed):
-            return self._cut(formed())
-        packs = getattr(self.loader, "iter_packs", None)
-        steps = optimizer_steps(
-            _own_dicts(packs() if callable(packs) else self.loader),
+            steps = (
+                ([dict(b) for b in batches], features, lead)
+                for batches, features, lead in formed(self.micro_steps)
+            )
+            start = self.epoch_position if self.epoch_position is not None else self._inner_start
+            return cut_steps(
+                steps, num_replicas=self.num_replicas, start=start, stop=self.epoch_batches
+            )
+        groups = optimizer_steps(
+            _own_dicts(self.loader),
             micro_steps=self.micro_steps,
-            start=self._step_start if self.epoch_position is not None else self._inner_start,
+            start=self.epoch_position if self.epoch_position is not None else lambda: 0,
             stop=self.epoch_batches,
         )
-        return ((step, None) for step in steps)
-
-    def _cut(
-        self, formed: Iterator[tuple[list[Any], np.ndarray, int]]
-    ) -> Iterator[tuple[list[Any], np.ndarray | None]]:
-        """A source's own global batches, cut where the epoch's training batches end (as
-        :func:`~lightning_vlmbalance.loss.optimizer_steps` cuts: ``limit_train_batches``). The
-        packs of a resumed step trained before its checkpoint (the source's ``skip``) are not
-        handed on."""
-        position: int | None = None
-        for batches, features, skip in formed:
-            if position is None:
-                self._lead += int(skip)
-                position = self._step_start() if self.epoch_position is not None else 0
-            stop = self.epoch_batches() if self.epoch_batches is not None else float("inf")
-            count = len(batches)
-            if position + count > stop:
-                keep = int(max(0, stop - position))
-                if keep == 0:
-                    return
-                batches, features = cut_step(batches, features, self.world_size, keep)
-            yield [dict(b) for b in batches], features
-            position += count
-            if position >= stop:
-                return
-
-    def _step_start(self) -> int:
-        """The training loop's position, less the batches of a resumed step trained before.
-        A restored lead that does not fit the position (the checkpoint's step ended its epoch,
-        and the loop goes on with the next one from its start) is dropped."""
-        position = int(self.epoch_position())  # type: ignore[misc]
-        if self._lead and position % self.micro_steps != self._lead % self.micro_steps:
-            self._lead = 0
-        return position - self._lead
+        return ((group, None, 0) for group in groups)
 
     def _inner_start(self) -> int:
-        """Where the inner loader's pass started: a resumable source says, any other loader
+        """Where the inner loader's pass resumed: a resumable source says, any other loader
         starts every pass at its first batch."""
         return int(self.loader.start) if isinstance(self.loader, ResumablePackSource) else 0
 
-    def _iter_inline(self) -> Iterator[Any]:
-        for batches in self._global_batches():  # (packs, features)
+    def _iter_inline(self) -> Iterator[tuple[list[Any], int]]:
+        for packs, features, lead in self._global_batches():
             start = time.perf_counter()
-            ready, stats = self._rebalance(*batches)
+            ready, stats = self._rebalance(packs, features)
             stats["exposed_exchange_ms"] = (time.perf_counter() - start) * 1e3
             self._record(stats)
-            yield from ready
+            yield ready, lead
 
-    def _iter_overlapped(self) -> Iterator[Any]:
+    def _iter_overlapped(self) -> Iterator[tuple[list[Any], int]]:
         if self.group is None:
             raise ValueError(
                 "`RebalancingLoader(mode='overlap')` needs its own process `group` when"
-                " world_size > 1: its thread's collectives must not share the world group with"
+                " num_replicas > 1: its thread's collectives must not share the world group with"
                 " the training loop"
             )
         # an abandoned earlier pass is stopped (its thread joined) before anything of this one
@@ -488,9 +481,9 @@ class RebalancingLoader(_LooksLikeItsLoader):
         current = _Pass(self, itertools.chain([first], batches_iter))
         self._pass = current
         try:
-            for ready, stats in current.taken(self.exchange_timeout_s, self.rank):
+            for ready, stats, lead in current.taken(self.exchange_timeout_s, self.rank):
                 self._record(stats)
-                yield from ready
+                yield ready, lead
         finally:
             current.shutdown(self.exchange_timeout_s)
             if self._pass is current:
@@ -543,24 +536,16 @@ class _ResumableRebalancingLoader(RebalancingLoader):
         return {**self._source_state(), _MODELS: self.former.models.state_dict()}
 
     def _source_state(self) -> dict[str, Any]:
+        """The source's state at the training loop's position (its own count: it fetches one
+        batch ahead of a loader without a length, a streamed one, which this loader has
+        yielded but nobody trained). Inside an optimizer step (a mid-epoch validation, an
+        exception) the source resumes at the step's start, the step is formed and weighed whole
+        again, and the batches trained before are not handed on (the lead)."""
         source: ResumablePackSource = self.loader  # type: ignore[assignment]
         if self._pass_start is None:
             return source.state_dict()
         if self.epoch_position is not None:
-            # the training loop's own count: it fetches one batch ahead of a loader without a
-            # length (a streamed one), which this loader has yielded but nobody trained. Inside
-            # an optimizer step (a mid-epoch validation, an exception) the inner loader resumes
-            # at the step's start: the global batch is planned and weighed whole again
-            position = int(self.epoch_position())
-            lead = position % self.micro_steps
-            if lead:
-                # the epoch's last step may be short: trained to the epoch's end, it is whole
-                ended = self.epoch_batches is not None and position >= self.epoch_batches()
-                at_end = source.state_at(position)
-                if ended or _finished(at_end):
-                    return at_end
-            state = source.state_at(position - lead)
-            return {**state, _LEAD: lead} if lead else state
+            return source.state_at(int(self.epoch_position()))
         return source.state_at(self._pass_start + self._yielded)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -568,24 +553,10 @@ class _ResumableRebalancingLoader(RebalancingLoader):
         models = state.pop(_MODELS, None)
         if models is not None:
             self.former.models.load_state_dict(models)
-        self._lead = int(state.pop(_LEAD, 0))
-        consumed = state.get("consumed")
-        if not self._lead and isinstance(consumed, int) and consumed % self.micro_steps:
-            # a PackedDataLoader's own state from inside an optimizer step (saved under another
-            # strategy): resumed from the step's start, the step is formed and weighed whole
-            self._lead = consumed % self.micro_steps
-            state["consumed"] = consumed - self._lead
         self.loader.load_state_dict(state)  # type: ignore[attr-defined]
 
 
-_LEAD = STEP_LEAD  # batches of the resumed optimizer step trained before
 _MODELS = "rebalanced_cost_models"  # the fit's ModelSchedule (a state saved under vlmbalance)
-
-
-def _finished(state: dict[str, Any]) -> bool:
-    """Whether a stream's state (every rank's) says its epoch was trained to the end."""
-    states = state.get("per_rank")
-    return bool(states) and all(s.get("finished") for s in states)
 
 
 def _own_dicts(batches: Iterable[Any]) -> Iterator[Any]:

@@ -59,9 +59,17 @@ import numpy as np
 import torch.distributed as dist
 
 from lightning_vlmbalance import _lightning as seam
-from lightning_vlmbalance.loaders._dataloader_settings import DataLoaderSettings
-from lightning_vlmbalance.loaders.global_batch import STEP_LEAD, GlobalBatchFormer, cut_step
-from lightning_vlmbalance.loaders.map_style import check_dataloader_kwargs
+from lightning_vlmbalance.loaders._dataloader_settings import (
+    DataLoaderSettings,
+    OfSource,
+    check_dataloader_kwargs,
+)
+from lightning_vlmbalance.loaders.global_batch import (
+    STEP_LEAD,
+    GlobalBatchFormer,
+    cut_steps,
+    handed_packs,
+)
 from lightning_vlmbalance.loaders.stream_source import (
     BAD_SAMPLE_POLICIES,
     OVERLONG_POLICIES,
@@ -94,21 +102,6 @@ class _EpochSetter:
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
-
-
-class _OfSource:
-    """A :class:`PackedStreamLoader` attribute that is its pack source's: read there, and set
-    there (a setting changed after construction reaches the next pass, as it did when the
-    loader held it; an attribute of the loader's own would shadow it silently)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, loader: Any, owner: type | None = None) -> Any:
-        return self if loader is None else getattr(loader.pack_source, self.name)
-
-    def __set__(self, loader: Any, value: Any) -> None:
-        setattr(loader.pack_source, self.name, value)
 
 
 class PackedStreamLoader(DataLoaderSettings):
@@ -156,23 +149,23 @@ class PackedStreamLoader(DataLoaderSettings):
 
     batch_sampler = None
     # the settings and the epoch's reports are the pack source's (read here)
-    source = _OfSource()
-    seq_len = _OfSource()
-    lengths = _OfSource()
-    transform = _OfSource()
-    collate_fn = _OfSource()
-    buffer = _OfSource()
-    min_fill = _OfSource()
-    on_bad_sample = _OfSource()
-    overlong = _OfSource()
-    key = _OfSource()
-    timeout_s = _OfSource()
-    rank = _OfSource()
-    bad_samples = _OfSource()
-    padding_packs = _OfSource()
-    packs = _OfSource()
-    left_over = _OfSource()
-    lent_packs = _OfSource()
+    source = OfSource()
+    seq_len = OfSource()
+    lengths = OfSource()
+    transform = OfSource()
+    collate_fn = OfSource()
+    buffer = OfSource()
+    min_fill = OfSource()
+    on_bad_sample = OfSource()
+    overlong = OfSource()
+    key = OfSource()
+    timeout_s = OfSource()
+    rank = OfSource()
+    bad_samples = OfSource()
+    padding_packs = OfSource()
+    packs = OfSource()
+    left_over = OfSource()
+    lent_packs = OfSource()
 
     def __init__(
         self,
@@ -263,62 +256,62 @@ class PackedStreamLoader(DataLoaderSettings):
     def _generate(self) -> Iterator[dict[str, Any]]:
         """The packs of the pass, each global batch formed (weighed) by a
         :class:`~lightning_vlmbalance.loaders.global_batch.GlobalBatchFormer` from the features
-        its ranks agreed on (with a trainer)."""
-        former: GlobalBatchFormer | None = None
-        position: int | None = None  # in the epoch, of the global batch's first pack
-        for packs, features, skip in self._global_batches():
-            if position is None:
-                position = self.start - skip
-            if self.trainer is not None and self.trainer.training:
-                # the epoch's training batches end here (limit_train_batches): the last step
-                # counts only the packs Lightning trains
-                stop = self.trainer.num_training_batches
-                if position + len(packs) > stop:
-                    keep = int(max(0, stop - position))
-                    if keep == 0:
-                        return
-                    packs, features = cut_step(packs, features, len(features) // len(packs), keep)
-            position += len(packs)
-            if self.trainer is not None:
-                if former is None:
-                    world = data_parallel_world(self.trainer.strategy)
-                    former = GlobalBatchFormer(
-                        micro_steps=self.micro_steps,
-                        world_size=world.size,
-                        rank=world.rank,
-                        gradient_ranks=world.gradient_ranks,
-                    )
-                packs, _ = former.form(packs, features)
-            for i, pack in enumerate(packs):
-                self.pack_source.handed(pack, trained=i >= skip)
-                if i >= skip:  # (the first were trained before the checkpoint)
-                    yield pack
+        its ranks agreed on (with a trainer); while training, the last one ends where the
+        epoch's training batches do (``limit_train_batches``)."""
+        steps = self._global_batches()
+        trainer = self.trainer
+        if trainer is None:
+            for packs, _, lead in steps:
+                for k, pack in enumerate(packs):
+                    self.pack_source.handed(pack, trained=k >= lead)
+                    if k >= lead:  # (the first were trained before the checkpoint)
+                        yield pack
+            return
+        world = data_parallel_world(trainer.strategy)
+        if trainer.training:
+            steps = cut_steps(
+                steps,
+                num_replicas=world.size,
+                start=lambda: self.start,
+                stop=lambda: trainer.num_training_batches,
+            )
+        former = GlobalBatchFormer(
+            micro_steps=self.micro_steps,
+            num_replicas=world.size,
+            rank=world.rank,
+            gradient_ranks=world.gradient_ranks,
+        )
+        yield from handed_packs(former, steps, self.pack_source.handed)
 
-    def global_batches(self) -> Iterator[tuple[list[dict[str, Any]], np.ndarray, int]]:
+    def global_batches(
+        self, micro_steps: int | None = None
+    ) -> Iterator[tuple[list[dict[str, Any]], np.ndarray, int]]:
         """The pass's global batches, for a loader that forms them itself (a
         :class:`~lightning_vlmbalance.RebalancingLoader`, which the ``"vlmbalance"`` strategies
-        make): per optimizer step, this rank's packs (not weighed), every data-parallel rank's
-        pack features as the ranks agreed on them (rank by rank, one row per pack in order:
+        make): per optimizer step of ``micro_steps`` packs (default :attr:`micro_steps`), this
+        rank's packs (not weighed), every data-parallel rank's pack features as the ranks
+        agreed on them (rank by rank, one row per pack in order:
         :data:`~lightning_vlmbalance.loaders.global_batch.COLUMNS`; no second collective), and
         how many of this rank's first packs a resume inside the step trained before."""
         self.pack_source.begin()
 
         def steps() -> Iterator[tuple[list[dict[str, Any]], np.ndarray, int]]:
-            for packs, features, skip in self._global_batches():
+            for packs, features, skip in self._global_batches(micro_steps):
                 for i, pack in enumerate(packs):
                     self.pack_source.handed(pack, trained=i >= skip)
                 yield packs, features, skip
 
         return steps()
 
-    def _global_batches(self) -> Iterator[tuple[list[dict[str, Any]], np.ndarray, int]]:
+    def _global_batches(
+        self, micro_steps: int | None = None
+    ) -> Iterator[tuple[list[dict[str, Any]], np.ndarray, int]]:
         """The pack source's global batches of the epoch, for the fit's data-parallel world;
         the epoch is read at the first ``next()`` (Lightning calls ``set_epoch`` after
         ``iter``)."""
         world = data_parallel_world(self.trainer.strategy if self.trainer is not None else None)
-        yield from self.pack_source.global_batches(
-            self.epoch, world, self.micro_steps, self._collective_group
-        )
+        size = self.micro_steps if micro_steps is None else int(micro_steps)
+        yield from self.pack_source.global_batches(self.epoch, world, size, self._collective_group)
 
     def _collective_group(self) -> Any:
         """The loaders' own process group (gloo; its collectives may run in a wrapper's thread

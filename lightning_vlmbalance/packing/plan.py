@@ -3,14 +3,14 @@
 Every rank builds the same plan from the dataset's length table, the seed and the epoch, so all
 ranks know every rank's pack count without a collective:
 
-1. The samples are cut into ``world_size`` contiguous shards by index (rank ``r`` reads shard
+1. The samples are cut into ``num_replicas`` contiguous shards by index (rank ``r`` reads shard
    ``r``: sequential I/O).
 2. Each shard is shuffled with a generator seeded by ``(seed, epoch, shard)`` and packed by
    :func:`~lightning_vlmbalance.packing.binpack.pack_greedy` (windows over the shuffled order, so no
    global sort by length).
-3. Pack counts are equalised: ranks with more packs than ``ceil(P / world_size)`` hand their last
+3. Pack counts are equalised: ranks with more packs than ``ceil(P / num_replicas)`` hand their last
    packs to ranks with fewer (counted as ``moved_packs``). Then the *remainder policy* settles the
-   ``P mod world_size`` left over:
+   ``P mod num_replicas`` left over:
 
    - ``"pad"`` (default): the ranks one pack short get one *padding pack* (no sample, no loss
      token). Every sample is used exactly once; nothing is dropped or duplicated.
@@ -26,11 +26,13 @@ ranks know every rank's pack count without a collective:
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import numpy as np
 
+from lightning_vlmbalance._moved import DP_RANKS, renamed_keyword
 from lightning_vlmbalance.packing.binpack import (
     Packs,
     pack_best_fit_decreasing,
@@ -121,7 +123,7 @@ class EpochPlan:
     """
 
     epoch: int
-    world_size: int
+    num_replicas: int  # the data-parallel ranks
     rank_packs: list[list[np.ndarray]]
     rank_pack_ids: list[list[int]]
     pack_tokens: np.ndarray  # tokens of each real pack, by pack id
@@ -133,6 +135,18 @@ class EpochPlan:
     truncated_sample_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # balanced at the source: global batches re-formed, and (exact=True) kept as they were
     balanced_batches: int = 0
+
+    @property
+    def world_size(self) -> int:
+        """Deprecated: :attr:`num_replicas` (``world_size`` is every process of the job)."""
+        warnings.warn(
+            "`EpochPlan.world_size` is now `EpochPlan.num_replicas` (the data-parallel ranks;"
+            " `world_size` is every process of the job: docs/glossary.md)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.num_replicas
+
     fallback_batches: int = 0
 
     @property
@@ -298,12 +312,13 @@ def _pack_shard(
     )
 
 
+@renamed_keyword(*DP_RANKS)
 def build_epoch_plan(
     total_tokens: np.ndarray,
     image_tokens: np.ndarray,
     config: PackingConfig,
     *,
-    world_size: int,
+    num_replicas: int,
     epoch: int,
 ) -> EpochPlan:
     """Builds the packing plan of one epoch; the same inputs give the same plan on every rank.
@@ -316,7 +331,7 @@ def build_epoch_plan(
             shard too small to give every rank a sample.
     """
     plan = _plan_in_packing_order(
-        total_tokens, image_tokens, config, world_size=world_size, epoch=epoch
+        total_tokens, image_tokens, config, num_replicas=num_replicas, epoch=epoch
     )
     if config.shuffle:
         _shuffle_pack_order(plan, config.seed)
@@ -345,19 +360,19 @@ def _plan_in_packing_order(
     image_tokens: np.ndarray,
     config: PackingConfig,
     *,
-    world_size: int,
+    num_replicas: int,
     epoch: int,
 ) -> EpochPlan:
     """:func:`build_epoch_plan` with every rank's packs in packing order (steps 1-3)."""
     total_tokens = as_length_column(total_tokens, "total_tokens")
     image_tokens = as_length_column(image_tokens, "image_tokens")
     check_length_table(total_tokens, image_tokens)
-    if world_size < 1:
-        raise ValueError(f"`world_size={world_size!r}` must be >= 1")
+    if num_replicas < 1:
+        raise ValueError(f"`num_replicas={num_replicas!r}` must be >= 1")
     n = len(total_tokens)
-    if n < world_size:
+    if n < num_replicas:
         raise ValueError(
-            f"the dataset has {n} samples, fewer than the {world_size} ranks: some rank's shard"
+            f"the dataset has {n} samples, fewer than the {num_replicas} ranks: some rank's shard"
             " would be empty"
         )
     lengths, skipped, truncated = apply_overlong_policy(
@@ -366,12 +381,12 @@ def _plan_in_packing_order(
     keep = np.ones(n, dtype=bool)
     keep[skipped] = False
 
-    bounds = np.linspace(0, n, world_size + 1).astype(np.int64)  # contiguous shards
+    bounds = np.linspace(0, n, num_replicas + 1).astype(np.int64)  # contiguous shards
     shard_packs: list[list[np.ndarray]] = []
     shard_ids: list[list[int]] = []
     tokens: list[np.ndarray] = []
     next_id = 0
-    for r in range(world_size):
+    for r in range(num_replicas):
         ids = np.arange(bounds[r], bounds[r + 1], dtype=np.int64)
         ids = ids[keep[ids]]
         if config.shuffle:
@@ -388,17 +403,17 @@ def _plan_in_packing_order(
     if total == 0:
         raise ValueError("no sample is left to pack (every sample was skipped)")
     if config.remainder == "pad":
-        target = -(-total // world_size)
+        target = -(-total // num_replicas)
     else:
-        target = total // world_size
+        target = total // num_replicas
         if target == 0:
             raise ValueError(
-                f"only {total} packs for {world_size} ranks: `remainder='drop'` would drop them"
+                f"only {total} packs for {num_replicas} ranks: `remainder='drop'` would drop them"
                 " all; use `remainder='pad'`"
             )
     moved, leftover = _equalize(shard_packs, shard_ids, target)
     padding = 0
-    for r in range(world_size):  # "pad": deficits (W * target - total packs in all)
+    for r in range(num_replicas):  # "pad": deficits (W * target - total packs in all)
         while len(shard_packs[r]) < target:
             shard_packs[r].append(np.zeros(0, np.int64))
             shard_ids[r].append(PADDING)
@@ -415,7 +430,7 @@ def _plan_in_packing_order(
         )
     return EpochPlan(
         epoch=epoch,
-        world_size=world_size,
+        num_replicas=num_replicas,
         rank_packs=shard_packs,
         rank_pack_ids=shard_ids,
         pack_tokens=pack_tokens,

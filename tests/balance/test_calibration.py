@@ -237,7 +237,7 @@ def test_a_resume_plans_its_first_global_batch_with_the_checkpoints_model() -> N
     strategy = vb.VLMBalanceStrategy(mode="off")
     rebalancer = strategy.rebalancer
     rebalancer.loader = RebalancingLoader(
-        [], micro_steps=2, world_size=1, rank=0, mode="off", models=rebalancer.models
+        [], micro_steps=2, num_replicas=1, rank=0, mode="off", models=rebalancer.models
     )
     checkpointed = _scaled(CostModel(), 2.0, 2.0)
     assert rebalancer.adopt(checkpointed, global_step=40) == 0

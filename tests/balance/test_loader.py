@@ -21,7 +21,7 @@ def _loader_job(rank: int, world: int, mode: str, micro_steps: int) -> dict:
     loader = RebalancingLoader(
         inner,
         micro_steps=micro_steps,
-        world_size=world,
+        num_replicas=world,
         rank=rank,
         group=group,
         mode=mode,
@@ -104,9 +104,9 @@ def test_batch_without_metadata_is_named() -> None:
 
 def test_bad_settings_are_named() -> None:
     with pytest.raises(ValueError, match="mode='fast'"):
-        RebalancingLoader([], micro_steps=2, world_size=1, rank=0, mode="fast")
+        RebalancingLoader([], micro_steps=2, num_replicas=1, rank=0, mode="fast")
     with pytest.raises(ValueError, match="micro_steps=0"):
-        RebalancingLoader([], micro_steps=0, world_size=1, rank=0)
+        RebalancingLoader([], micro_steps=0, num_replicas=1, rank=0)
 
 
 def test_the_wrapper_shows_lightning_the_inner_loaders_sampler_and_nothing_else() -> None:
@@ -119,13 +119,13 @@ def test_the_wrapper_shows_lightning_the_inner_loaders_sampler_and_nothing_else(
     )
     ds = SyntheticVLMDataset(table, vocab_size=32, patch_dim=4)
     inner = vb.PackedDataLoader(ds, sampler, num_workers=0)
-    wrapped = RebalancingLoader(inner, micro_steps=2, world_size=1, rank=0)
+    wrapped = RebalancingLoader(inner, micro_steps=2, num_replicas=1, rank=0)
     assert wrapped.sampler is inner.sampler and wrapped.batch_sampler is inner.batch_sampler
     assert wrapped.dataset is ds and wrapped._iterator is None
     wrapped._iterator = None  # Lightning's teardown: reaches the inner loader
-    for name in ("collate_fn", "dataloader_kwargs", "trainer", "iter_packs", "state_at"):
+    for name in ("collate_fn", "dataloader_kwargs", "trainer", "pack_source", "state_at"):
         assert hasattr(inner, name) and not hasattr(wrapped, name), name
-    plain = RebalancingLoader([], micro_steps=2, world_size=1, rank=0)  # any iterable of packs
+    plain = RebalancingLoader([], micro_steps=2, num_replicas=1, rank=0)  # any iterable of packs
     assert plain.sampler is None and plain.dataset is None and plain._iterator is None
     # Lightning's set_epoch reaches the inner sampler through the wrapper
     from lightning.fabric.utilities.data import _set_sampler_epoch
@@ -142,7 +142,7 @@ def _overlapped_loader(rank: int, world: int, *, micro_steps: int, timeout_s: fl
     return RebalancingLoader(
         inner,
         micro_steps=micro_steps,
-        world_size=world,
+        num_replicas=world,
         rank=rank,
         group=torch.distributed.new_group(backend="gloo"),
         mode="overlap",
@@ -264,7 +264,7 @@ def _reused_dicts_job(rank: int, world: int) -> dict:
     packs = list(vb.PackedDataLoader(ds, sampler))
     keys = [set(b) for b in packs]
     loader = RebalancingLoader(
-        packs, micro_steps=2, world_size=world, rank=rank, mode="sync", encoder=True
+        packs, micro_steps=2, num_replicas=world, rank=rank, mode="sync", encoder=True
     )
     first = [b["encoder_route"] for b in loader]
     second = [b["encoder_route"] for b in loader]

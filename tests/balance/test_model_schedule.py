@@ -44,7 +44,7 @@ def test_the_strategy_loader_and_calibrator_read_one_schedule() -> None:
 
     rebalancer = vb.VLMBalanceStrategy(mode="sync").rebalancer
     rebalancer.loader = RebalancingLoader(
-        [], micro_steps=2, world_size=1, rank=0, mode="sync", models=rebalancer.models
+        [], micro_steps=2, num_replicas=1, rank=0, mode="sync", models=rebalancer.models
     )
     rebalancer._wrapped_at_step = 100
     rebalancer.loader.former._planned = 1  # one global batch formed: the switch is ahead
@@ -75,13 +75,13 @@ def test_a_resumed_loader_plans_each_step_with_the_uninterrupted_runs_model() ->
     start, refit = _model(1.0), _model(4.0)
     saved_models = ModelSchedule(start)
     saved_models.adopt(refit, 12)
-    saved = RebalancingLoader(Source(), micro_steps=1, world_size=1, rank=0, models=saved_models)
+    saved = RebalancingLoader(Source(), micro_steps=1, num_replicas=1, rank=0, models=saved_models)
     state = saved.state_dict()
 
     models = ModelSchedule(start)
     source = Source()
     resumed = RebalancingLoader(
-        source, micro_steps=1, world_size=1, rank=0, models=models, first_step=10
+        source, micro_steps=1, num_replicas=1, rank=0, models=models, first_step=10
     )
     resumed.load_state_dict(state)
     assert source.loaded == {"consumed": 0}  # the source gets its own state only

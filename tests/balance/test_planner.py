@@ -212,7 +212,7 @@ def test_identical_plans_in_separate_processes() -> None:
         ({"objective": "fastest"}, "objective"),
         ({"tolerance": -0.1}, "tolerance"),
         ({"tolerance": float("nan")}, "tolerance"),
-        ({"world_size": 0}, "world_size"),
+        ({"num_replicas": 0}, "num_replicas"),
         ({"cost": np.ones(8)}, "integer"),
         ({"cost": np.array([1, 2, 3, -4, 5, 6, 7, 8])}, "pack 3 has a negative cost"),
         ({"origin": np.array([0, 0, 0, 0, 1, 1, 1, 2])}, "pack 7 has origin rank 2"),
@@ -225,7 +225,7 @@ def test_bad_input_is_named(kwargs, match) -> None:
     args = {
         "cost": np.arange(8),
         "origin": np.repeat(np.arange(2), 4),
-        "world_size": 2,
+        "num_replicas": 2,
         "micro_steps": 4,
     }
     args.update(kwargs)

@@ -282,7 +282,7 @@ def _one_rank_fit(rank: int, world: int, case: str) -> dict:
 
         def training_step(self, batch, batch_idx):
             loader = self.trainer.strategy.rebalancing_loader.loader
-            inner = loader._inner if isinstance(loader, vb.PackedDataLoader) else loader
+            inner = loader.pack_source._inner if isinstance(loader, vb.PackedDataLoader) else loader
             fn = inner.worker_init_fn
             if isinstance(fn, WorkersIgnoreSigterm):  # the strategy's wrapper keeps it
                 fn = fn.init_fn

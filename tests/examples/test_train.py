@@ -105,9 +105,11 @@ def test_the_read_ahead_loader_yields_the_packs_of_the_plain_loader_read_in_a_th
     assert readers[0] == threading.main_thread().name
     assert set(readers[1:]) == {"main-job-read-ahead"}
     readers.clear()  # what a "vlmbalance" strategy's rebalancing reads: the same, read ahead
-    assert [b["meta"]["sample_ids"] for b in ahead.iter_packs()] == plain
-    assert readers[0] == threading.main_thread().name
-    assert set(readers[1:]) == {"main-job-read-ahead"}
+    steps = list(ahead.global_batches(2))  # optimizer steps of 2 packs, unweighed
+    assert [[len(packs), lead] for packs, _, lead in steps][:2] == [[2, 0], [2, 0]]
+    assert [b["meta"]["sample_ids"] for packs, _, _ in steps for b in packs] == plain
+    assert readers[:2] == [threading.main_thread().name] * 2  # the first step, in the caller's
+    assert set(readers[2:]) == {"main-job-read-ahead"}
     for k, _ in enumerate(ahead):  # stopped early: the thread is joined, none is left behind
         if k == 1:
             break

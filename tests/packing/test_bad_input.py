@@ -29,7 +29,7 @@ def test_non_integral_length_is_refused() -> None:
             np.array([12.0, 10.7]),
             np.zeros(2),
             vb.PackingConfig(seq_len=32),
-            world_size=1,
+            num_replicas=1,
             epoch=0,
         )
     sampler = vb.PackingSampler(np.array([12.0, 10.0, 9.0]), seq_len=32, num_replicas=1, rank=0)

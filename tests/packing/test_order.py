@@ -54,9 +54,9 @@ def _drift(plan, image_tokens: np.ndarray, rank: int) -> tuple[float, np.ndarray
     return rho, tenths
 
 
-def _assert_no_drift(table: LengthTable, config: PackingConfig, world_size: int) -> None:
+def _assert_no_drift(table: LengthTable, config: PackingConfig, num_replicas: int) -> None:
     plan = build_epoch_plan(
-        table.total_tokens, table.image_tokens, config, world_size=world_size, epoch=0
+        table.total_tokens, table.image_tokens, config, num_replicas=num_replicas, epoch=0
     )
     rho, tenths = _drift(plan, table.image_tokens, rank=0)
     assert abs(rho) < MAX_RANK_CORRELATION, f"rank correlation {rho:.3f}, tenths {tenths}"
@@ -72,14 +72,14 @@ def test_no_image_token_trend_on_the_shared_mix() -> None:
     if missing:
         pytest.skip(f"the shared length tables are absent: {', '.join(missing)}")
     table = resample_text_share(read_length_csv(*files), 0.3, seed=0)
-    _assert_no_drift(table, PackingConfig(seq_len=8192), world_size=8)
+    _assert_no_drift(table, PackingConfig(seq_len=8192), num_replicas=8)
 
 
 def test_no_image_token_trend_on_a_synthetic_table() -> None:
     """The same on a synthetic multimodal table (40,000 samples, 8 ranks: about 660 packs each),
     which always runs."""
     table = synthetic_length_table(40_000, text_share=0.3, seed=0)
-    _assert_no_drift(table, PackingConfig(seq_len=8192), world_size=8)
+    _assert_no_drift(table, PackingConfig(seq_len=8192), num_replicas=8)
 
 
 def _small_table(n: int = 3000, seed: int = 0) -> LengthTable:
@@ -105,8 +105,8 @@ def test_order_changes_only_the_order(remainder: str, packer: str) -> None:
             seq_len=512, seed=seed, window=300, remainder=remainder, packer=packer
         )
         args = (t.total_tokens, t.image_tokens, config)
-        plan = build_epoch_plan(*args, world_size=world_size, epoch=epoch)
-        packed = _plan_in_packing_order(*args, world_size=world_size, epoch=epoch)
+        plan = build_epoch_plan(*args, num_replicas=world_size, epoch=epoch)
+        packed = _plan_in_packing_order(*args, num_replicas=world_size, epoch=epoch)
         assert _rank_multisets(plan) == _rank_multisets(packed)
         assert plan.packs_per_rank == packed.packs_per_rank
         assert [len(p) for p in plan.rank_packs] == [len(p) for p in packed.rank_packs]
@@ -127,8 +127,8 @@ def test_shuffle_false_keeps_packing_order() -> None:
     t = _small_table()
     config = PackingConfig(seq_len=512, shuffle=False, window=300)
     args = (t.total_tokens, t.image_tokens, config)
-    plan = build_epoch_plan(*args, world_size=4, epoch=1)
-    packed = _plan_in_packing_order(*args, world_size=4, epoch=1)
+    plan = build_epoch_plan(*args, num_replicas=4, epoch=1)
+    packed = _plan_in_packing_order(*args, num_replicas=4, epoch=1)
     assert plan.rank_pack_ids == packed.rank_pack_ids
     for packs, packed_packs in zip(plan.rank_packs, packed.rank_packs):
         assert all(np.array_equal(a, b) for a, b in zip(packs, packed_packs))
@@ -161,6 +161,6 @@ def test_every_rank_computes_the_same_order() -> None:
         assert all(ids == plans[0] for ids in plans)
     # the plan in the sampler is the pure function's
     plan = build_epoch_plan(
-        t.total_tokens, t.image_tokens, samplers[0].config, world_size=world, epoch=1
+        t.total_tokens, t.image_tokens, samplers[0].config, num_replicas=world, epoch=1
     )
     assert plan.rank_pack_ids == plans[0]

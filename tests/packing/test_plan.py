@@ -48,7 +48,9 @@ def test_every_sample_exactly_once_and_equal_pack_counts(
     # is about every sample once, so every sample must fit (over-long policies are tested apart)
     seq_len = max(seq_len, int(t.total_tokens.max()))
     cfg = PackingConfig(seq_len=seq_len, seed=seed, window=window)
-    plan = build_epoch_plan(t.total_tokens, t.image_tokens, cfg, world_size=world_size, epoch=epoch)
+    plan = build_epoch_plan(
+        t.total_tokens, t.image_tokens, cfg, num_replicas=world_size, epoch=epoch
+    )
     assert len({len(p) for p in plan.rank_packs}) == 1
     assert np.array_equal(np.sort(plan.sample_ids()), np.arange(n))
     for packs in plan.rank_packs:
@@ -66,7 +68,9 @@ def test_drop_policy_counts_every_dropped_sample(n, world_size, seed) -> None:
     t = _table(n, seed=seed % 1000)
     cfg = PackingConfig(seq_len=256, seed=seed, remainder="drop")
     try:
-        plan = build_epoch_plan(t.total_tokens, t.image_tokens, cfg, world_size=world_size, epoch=0)
+        plan = build_epoch_plan(
+            t.total_tokens, t.image_tokens, cfg, num_replicas=world_size, epoch=0
+        )
     except ValueError as e:  # fewer packs than ranks
         assert "remainder='pad'" in str(e)
         return
@@ -81,11 +85,11 @@ def test_deterministic_per_seed_and_epoch() -> None:
     """Same (seed, epoch) gives the same plan; another epoch or seed gives another."""
     t = _table()
     cfg = PackingConfig(seq_len=512, seed=7)
-    a = build_epoch_plan(t.total_tokens, t.image_tokens, cfg, world_size=4, epoch=1)
-    b = build_epoch_plan(t.total_tokens, t.image_tokens, cfg, world_size=4, epoch=1)
-    c = build_epoch_plan(t.total_tokens, t.image_tokens, cfg, world_size=4, epoch=2)
+    a = build_epoch_plan(t.total_tokens, t.image_tokens, cfg, num_replicas=4, epoch=1)
+    b = build_epoch_plan(t.total_tokens, t.image_tokens, cfg, num_replicas=4, epoch=1)
+    c = build_epoch_plan(t.total_tokens, t.image_tokens, cfg, num_replicas=4, epoch=2)
     d = build_epoch_plan(
-        t.total_tokens, t.image_tokens, PackingConfig(seq_len=512, seed=8), world_size=4, epoch=1
+        t.total_tokens, t.image_tokens, PackingConfig(seq_len=512, seed=8), num_replicas=4, epoch=1
     )
     assert _digest(a) == _digest(b)
     assert _digest(a) != _digest(c) and _digest(a) != _digest(d)
@@ -94,7 +98,7 @@ def test_deterministic_per_seed_and_epoch() -> None:
 def _plan_in_process(queue: mp.Queue) -> None:
     t = _table()
     plan = build_epoch_plan(
-        t.total_tokens, t.image_tokens, PackingConfig(seq_len=512, seed=7), world_size=4, epoch=3
+        t.total_tokens, t.image_tokens, PackingConfig(seq_len=512, seed=7), num_replicas=4, epoch=3
     )
     queue.put(_digest(plan))
 
@@ -111,7 +115,7 @@ def test_same_plan_on_separate_processes() -> None:
         p.join(timeout=60)
     t = _table()
     local = build_epoch_plan(
-        t.total_tokens, t.image_tokens, PackingConfig(seq_len=512, seed=7), world_size=4, epoch=3
+        t.total_tokens, t.image_tokens, PackingConfig(seq_len=512, seed=7), num_replicas=4, epoch=3
     )
     assert digests[0] == digests[1] == _digest(local)
 
@@ -120,7 +124,7 @@ def test_each_rank_reads_its_contiguous_shard() -> None:
     """Rank r computes samples of shard r, apart from the packs moved to even out counts."""
     t = _table(4000)
     plan = build_epoch_plan(
-        t.total_tokens, t.image_tokens, PackingConfig(seq_len=512), world_size=4, epoch=0
+        t.total_tokens, t.image_tokens, PackingConfig(seq_len=512), num_replicas=4, epoch=0
     )
     bounds = np.linspace(0, 4000, 5).astype(int)
     for r, packs in enumerate(plan.rank_packs):
@@ -134,19 +138,19 @@ def test_overlong_error_names_the_sample() -> None:
     total = np.array([100, 700, 50, 900])
     image = np.array([64, 0, 0, 0])
     with pytest.raises(ValueError, match=r"sample 1 has 700 tokens, more than `seq_len=512`"):
-        build_epoch_plan(total, image, PackingConfig(seq_len=512), world_size=1, epoch=0)
+        build_epoch_plan(total, image, PackingConfig(seq_len=512), num_replicas=1, epoch=0)
 
 
 def test_overlong_skip_counts_and_truncate_cuts_text_only() -> None:
     total = np.array([100, 700, 50, 900, 30])
     image = np.array([64, 0, 0, 0, 0])
     skip = build_epoch_plan(
-        total, image, PackingConfig(seq_len=512, overlong="skip"), world_size=1, epoch=0
+        total, image, PackingConfig(seq_len=512, overlong="skip"), num_replicas=1, epoch=0
     )
     assert skip.skipped_sample_ids.tolist() == [1, 3]
     assert sorted(skip.sample_ids().tolist()) == [0, 2, 4]
     cut = build_epoch_plan(
-        total, image, PackingConfig(seq_len=512, overlong="truncate"), world_size=1, epoch=0
+        total, image, PackingConfig(seq_len=512, overlong="truncate"), num_replicas=1, epoch=0
     )
     assert cut.truncated_sample_ids.tolist() == [1, 3]
     assert sorted(cut.sample_ids().tolist()) == [0, 1, 2, 3, 4]
@@ -159,7 +163,7 @@ def test_truncate_never_cuts_an_image() -> None:
     image = np.array([0, 650])
     with pytest.raises(ValueError, match="sample 1 has 700 tokens \\(650 image tokens\\)"):
         build_epoch_plan(
-            total, image, PackingConfig(seq_len=512, overlong="truncate"), world_size=1, epoch=0
+            total, image, PackingConfig(seq_len=512, overlong="truncate"), num_replicas=1, epoch=0
         )
 
 
@@ -175,21 +179,21 @@ def test_truncate_never_cuts_an_image() -> None:
 def test_bad_length_table(total, image, match) -> None:
     with pytest.raises(ValueError, match=match):
         build_epoch_plan(
-            np.array(total), np.array(image), PackingConfig(seq_len=64), world_size=1, epoch=0
+            np.array(total), np.array(image), PackingConfig(seq_len=64), num_replicas=1, epoch=0
         )
 
 
 def test_empty_shard_is_an_error() -> None:
     with pytest.raises(ValueError, match="fewer than the 4 ranks"):
         build_epoch_plan(
-            np.array([5, 5, 5]), np.zeros(3), PackingConfig(seq_len=64), world_size=4, epoch=0
+            np.array([5, 5, 5]), np.zeros(3), PackingConfig(seq_len=64), num_replicas=4, epoch=0
         )
 
 
 def test_shard_with_no_images_is_fine() -> None:
     total = np.array([40] * 10 + [30] * 10)
     image = np.array([32] * 10 + [0] * 10)  # the second shard is text only
-    plan = build_epoch_plan(total, image, PackingConfig(seq_len=128), world_size=2, epoch=0)
+    plan = build_epoch_plan(total, image, PackingConfig(seq_len=128), num_replicas=2, epoch=0)
     assert all(image[p].sum() == 0 for p in plan.rank_packs[1] if len(p))
 
 

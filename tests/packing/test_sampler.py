@@ -142,10 +142,10 @@ def test_persistent_workers_serve_every_epoch_and_resume() -> None:
         persistent_workers=True,
     )
     e0 = _ids(loader)
-    worker_iter = loader._inner._iterator
+    worker_iter = loader.pack_source._inner._iterator
     sampler.set_epoch(1)
     e1 = _ids(loader)
-    assert loader._inner._iterator is worker_iter
+    assert loader.pack_source._inner._iterator is worker_iter
     assert sorted(e0) == sorted(e1) == list(range(len(sampler)))
     seen = [i for b in loader for i in b["meta"]["sample_ids"]]
     assert sorted(seen) == list(range(len(table)))

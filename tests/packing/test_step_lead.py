@@ -1,11 +1,13 @@
 """A resume inside an optimizer step across loaders and strategies (in one process).
 
-A ``RebalancingLoader`` (the ``"vlmbalance"`` strategies) saves the step's start and how many
-of its packs were trained (``rebalanced_step_lead``); a ``PackedDataLoader`` or
-``PackedStreamLoader`` under another strategy saves the position itself. Each must resume the
-other's state at the same pack, with the step formed whole; a step that ended its epoch (the
-epoch's last, short one) is whole, and resumes at the next epoch's start; a stream's last step
-cut by ``limit_train_batches`` counts only the packs Lightning trains.
+Every loader saves the position itself (a ``RebalancingLoader``, the ``"vlmbalance"``
+strategies' front, saves its source's state at the training loop's position); the source starts
+a pass resumed inside a step at the step's first pack and says how many of its packs were
+trained (its lead), so the step is formed whole and those packs are not handed on again. A
+state an older wrapper saved (the step's start and ``rebalanced_step_lead``) resumes at the same
+pack under either front; a step that ended its epoch (the epoch's last, short one) is whole, and
+resumes at the next epoch's start; a stream's last step cut by ``limit_train_batches`` counts
+only the packs Lightning trains.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _wrapped(loader, position: list[int], batches: int) -> vb.RebalancingLoader:
     return vb.RebalancingLoader(
         loader,
         micro_steps=G,
-        world_size=1,
+        num_replicas=1,
         rank=0,
         mode="sync",
         epoch_position=lambda: position[0],
@@ -53,19 +55,24 @@ def test_a_checkpoint_at_the_epochs_short_last_step_has_no_lead() -> None:
     position[0] = batches  # trained to the epoch's end
     state = wrapped.state_dict()
     assert STEP_LEAD not in state and state["consumed"] == batches
-    position[0] = batches - 1  # inside that last step: resumed from its start, with a lead
+    position[0] = batches - 1  # inside that last step: the position itself (the source leads)
     state = wrapped.state_dict()
-    lead = (batches - 1) % G
-    assert state[STEP_LEAD] == lead and state["consumed"] == batches - 1 - lead
+    assert STEP_LEAD not in state and state["consumed"] == batches - 1
+    reference = [b["meta"]["sample_ids"] for b in taken]
+    resumed = _wrapped(_map_loader(), position, batches)
+    resumed.load_state_dict(state)
+    assert [b["meta"]["sample_ids"] for b in resumed] == reference[batches - 1 :]
 
 
-def test_a_lead_that_does_not_fit_the_loops_position_is_dropped() -> None:
-    """Restored with a lead, the loop goes on at another epoch's start: nothing is skipped."""
+def test_an_older_wrappers_state_with_a_lead_resumes_at_the_same_pack() -> None:
+    """Saved by the old wrapper inside a step (the step's start and the lead), resumed by the
+    wrapper at the loop's position: the packs after the lead, each once."""
     reference = [b["meta"]["sample_ids"] for b in _map_loader()]
-    position = [0]
+    start, lead = G, 2
+    position = [start + lead]
     wrapped = _wrapped(_map_loader(), position, len(reference))
-    wrapped.load_state_dict({**_map_loader().state_dict(), STEP_LEAD: 2})
-    assert [b["meta"]["sample_ids"] for b in wrapped] == reference
+    wrapped.load_state_dict({**_map_loader().state_dict(), "consumed": start, STEP_LEAD: lead})
+    assert [b["meta"]["sample_ids"] for b in wrapped] == reference[start + lead :]
 
 
 def test_a_map_style_state_from_inside_a_step_resumes_under_either_front() -> None:

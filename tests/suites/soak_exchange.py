@@ -247,7 +247,7 @@ def soak(rank: int, world: int, group: Any, args: argparse.Namespace) -> dict[st
     loader = RebalancingLoader(
         source,
         micro_steps=M,
-        world_size=world,
+        num_replicas=world,
         rank=rank,
         group=group,
         mode=args.mode,
