@@ -205,6 +205,7 @@ def check_weighted_for(batch: dict[str, Any], module: Any) -> None:
             f"the batch's loss_weight assumes {got[0]} rank(s) x {got[1]} micro-step(s) per"
             f" optimizer step, but this Trainer averages gradients over {expected[0]} rank(s)"
             f" with `accumulate_grad_batches={expected[1]}`: the gradient would not be that of"
-            " the token-mean loss. Build the training loader as `PackedDataLoader(...,"
-            " trainer=self.trainer)`, or use `Trainer(strategy='vlmbalance')`" + was_none
+            " the token-mean loss. Give the training loader its trainer"
+            " (`PackedDataLoader(..., trainer=self.trainer)` or `PackedStreamLoader(...,"
+            " trainer=self.trainer)`), or use `Trainer(strategy='vlmbalance')`" + was_none
         )

@@ -10,25 +10,41 @@ __all__ = ["DataLoaderSettings", "OfSource", "check_dataloader_kwargs"]
 class DataLoaderSettings:
     """``num_workers``, ``worker_init_fn`` (which ``seed_everything(workers=True)`` sets) and
     ``multiprocessing_context`` (which the strategies set for SIGTERM-safe workers), kept in
-    ``dataloader_kwargs`` for the inner ``DataLoader`` a pass makes, and passed on to one made
-    already (:meth:`_made_loader`)."""
+    ``dataloader_kwargs`` for the inner ``DataLoader`` a pass makes, and passed on to those made
+    already (:meth:`_made_loaders`); a new worker count makes them again (:meth:`_remake`)."""
 
     dataloader_kwargs: dict[str, Any]
 
-    def _made_loader(self) -> Any:
-        """The inner ``DataLoader`` made already and kept across passes (``None``: none)."""
-        return None
+    def _made_loaders(self) -> list[Any]:
+        """The inner ``DataLoader`` objects made already and kept across passes."""
+        return []
+
+    def _remake(self) -> None:
+        """The next pass makes its inner ``DataLoader`` again (none is kept: nothing to do)."""
 
     def _set(self, name: str, value: Any) -> None:
         self.dataloader_kwargs[name] = value
-        made = self._made_loader()
-        if made is not None:
+        for made in self._made_loaders():
             setattr(made, name, value)
 
     @property
     def num_workers(self) -> int:
-        """The inner ``DataLoader``'s worker processes (``0``: the main process loads)."""
+        """The inner ``DataLoader``'s worker processes (``0``: the main process loads); set, it
+        reaches the next pass (a ``DataLoader`` made already, and its persistent workers, are
+        made again)."""
         return int(self.dataloader_kwargs.get("num_workers", 0))
+
+    @num_workers.setter
+    def num_workers(self, count: int) -> None:
+        if int(count) < 0:
+            raise ValueError(f"`num_workers={count!r}` must be >= 0")
+        if int(count) == 0 and self.dataloader_kwargs.get("persistent_workers"):
+            raise ValueError(
+                "`num_workers=0` with `persistent_workers=True`: persistent workers need at"
+                " least one worker"
+            )
+        self.dataloader_kwargs["num_workers"] = int(count)
+        self._remake()
 
     @property
     def worker_init_fn(self) -> Any:

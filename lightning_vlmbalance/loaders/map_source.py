@@ -33,7 +33,7 @@ from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 from lightning_vlmbalance.packing.plan import PADDING
 from lightning_vlmbalance.parallel import data_parallel_world
 
-__all__ = ["MapPackSource"]
+__all__ = ["MapPackSource", "PassSources"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,14 @@ def _check_ranks_agree(sampler: Any, epoch: int) -> None:
             for r, (e, n, f) in enumerate(everyone)
         )
         raise ValueError(f"the ranks disagree on the packing plan (config mismatch): {detail}")
+
+
+def _check_sizes(dataset: Dataset, sampler: Any) -> None:
+    if len(dataset) != len(sampler.total_tokens):
+        raise ValueError(
+            f"the dataset has {len(dataset)} samples but the sampler's length table has"
+            f" {len(sampler.total_tokens)}: the length table does not match the dataset"
+        )
 
 
 class _PackDataset(Dataset):
@@ -140,15 +148,13 @@ class MapPackSource:
         collate_fn: PackCollator | None,
         dataloader_kwargs: dict[str, Any],
     ) -> None:
-        if len(dataset) != len(sampler.total_tokens):
-            raise ValueError(
-                f"the dataset has {len(dataset)} samples but the sampler's length table has"
-                f" {len(sampler.total_tokens)}: the length table does not match the dataset"
-            )
-        self.dataset = dataset
-        self.sampler = sampler
-        self.collate_fn = collate_fn or PackCollator(sampler.config.seq_len)
+        _check_sizes(dataset, sampler)
+        self._dataset = dataset
+        self._sampler = sampler
+        self._collate_fn = collate_fn or PackCollator(sampler.config.seq_len)
         self.dataloader_kwargs = dataloader_kwargs
+        self._flying = 0  # passes reading packs (started, not ended or closed)
+        self._training_pass = False  # whether the last pass opened is a training pass
         self._resume_epoch: int | None = None  # restored, not read yet
         self._resume_at = 0
         self._iter_epoch: int | None = None  # the epoch of the pass in progress (or ended)
@@ -160,10 +166,65 @@ class MapPackSource:
         self._refs_lock = threading.Lock()
         self._refs_yielded = 0  # packs of ``_refs`` the inner DataLoader has asked for
         self._inner: DataLoader | None = None
-        if sampler.config.overlong == "truncate":
-            self.collate_fn.truncate_text = True
-        if self.collate_fn.image_feature_shape is None:
-            self.collate_fn.image_feature_shape = _image_feature_shape(dataset, sampler)
+        self._fit_collator()
+
+    def _fit_collator(self) -> None:
+        if self._sampler.config.overlong == "truncate":
+            self._collate_fn.truncate_text = True
+        if self._collate_fn.image_feature_shape is None:
+            self._collate_fn.image_feature_shape = _image_feature_shape(
+                self._dataset, self._sampler
+            )
+
+    # -- settings: one changed after a pass reaches the next pass ----------------------------
+
+    @property
+    def dataset(self) -> Dataset:
+        return self._dataset
+
+    @dataset.setter
+    def dataset(self, dataset: Dataset) -> None:
+        _check_sizes(dataset, self._sampler)
+        self._dataset = dataset
+        self.remake()
+
+    @property
+    def sampler(self) -> Any:
+        return self._sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Any) -> None:
+        _check_sizes(self._dataset, sampler)
+        self._sampler = sampler
+        self._fit_collator()
+        self.remake()
+
+    @property
+    def collate_fn(self) -> PackCollator:
+        return self._collate_fn
+
+    @collate_fn.setter
+    def collate_fn(self, collate_fn: PackCollator) -> None:
+        self._collate_fn = collate_fn
+        self._fit_collator()
+        self.remake()
+
+    def remake(self) -> None:
+        """The next pass makes a new inner ``DataLoader`` (a setting it was made with changed):
+        the old one's persistent workers are shut down, unless a pass still reads from them
+        (then they end with that pass's iterator)."""
+        inner, self._inner = self._inner, None
+        if inner is None or self._flying > 0:
+            return
+        iterator = getattr(inner, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        inner._iterator = None
+
+    def training_in_flight(self) -> bool:
+        """Whether a training pass is reading packs (its iterator started, not ended or closed:
+        one Lightning stopped early stays so until it lets go of it)."""
+        return self._flying > 0 and self._training_pass
 
     # -- a pass ------------------------------------------------------------------------------
 
@@ -172,11 +233,13 @@ class MapPackSource:
         iterator before it calls ``set_epoch``)."""
         self._pending = True
 
-    def open(self, plan_epoch: int, micro_steps: int = 1) -> int:
+    def open(self, plan_epoch: int, micro_steps: int = 1, training: bool = False) -> int:
         """Starts the pass of the sampler's epoch, reading the plan of ``plan_epoch`` (epoch 0's
         when overfitting), from the restored position's optimizer step of ``micro_steps``
-        packs. Returns the pass's lead (packs of its first step trained before)."""
+        packs (``training``: a training pass). Returns the pass's lead (packs of its first step
+        trained before)."""
         self._pending = False
+        self._training_pass = bool(training)
         epoch, start = self.sampler.epoch, 0
         if self._resume_epoch is not None:
             if self._resume_epoch == epoch:
@@ -200,7 +263,12 @@ class MapPackSource:
     def packs(self) -> Iterator[dict[str, Any]]:
         """The opened pass's packs, in order (the inner ``DataLoader``'s batches)."""
         assert self._inner is not None, "open() the pass first"
-        return iter(self._inner)
+        iterator = iter(self._inner)
+        self._flying += 1
+        try:
+            yield from iterator
+        finally:
+            self._flying -= 1
 
     def global_batches(
         self, micro_steps: int, stop: Callable[[], float] | None = None
@@ -320,3 +388,49 @@ class MapPackSource:
         log.info(
             "PackedDataLoader resumes epoch %d at pack %d", self._resume_epoch, self._resume_at
         )
+
+
+class PassSources:
+    """A loader's pack sources: its own (``main``: training passes, and the positions and states
+    a checkpoint saves), and a second one made for an evaluation pass begun while a training
+    pass of ``main`` reads (the training loader reused for validation, which Lightning runs
+    mid-epoch): its own inner ``DataLoader``, persistent workers and positions, so the training
+    pass goes on with its own."""
+
+    def __init__(self, main: MapPackSource) -> None:
+        self.main = main
+        self.second: MapPackSource | None = None
+
+    def all(self) -> list[MapPackSource]:
+        return [self.main] if self.second is None else [self.main, self.second]
+
+    def of_pass(self, evaluating: bool) -> MapPackSource:
+        """The source of a pass about to begin (``evaluating``: a pass the loader's trainer
+        runs outside training; without a trainer a pass cannot be told apart: ``False``)."""
+        main = self.main
+        if not evaluating or not main.training_in_flight():
+            return main
+        if self.second is None:
+            self.second = MapPackSource(
+                main.dataset, main.sampler, main.collate_fn, main.dataloader_kwargs
+            )
+        return self.second
+
+    def set(self, name: str, value: Any) -> None:
+        """A setting (``dataset``, ``sampler``, ``collate_fn``) of every source."""
+        for source in self.all():
+            setattr(source, name, value)
+
+    def made_loaders(self) -> list[DataLoader]:
+        return [source._inner for source in self.all() if source._inner is not None]
+
+    def remake(self) -> None:
+        for source in self.all():
+            source.remake()
+
+    def iterated(self) -> DataLoader | None:
+        """The first inner ``DataLoader`` with a live (persistent) iterator: the one a
+        loader's ``_iterator`` answers (Lightning asks at the end of a fit or a validation run,
+        once per loop that iterated the loader: each call shuts one down)."""
+        live = [made for made in self.made_loaders() if made._iterator is not None]
+        return live[0] if live else None

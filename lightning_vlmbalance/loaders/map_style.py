@@ -26,11 +26,10 @@ from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.source import SourceBalance, build_balanced_epoch_plan
 from lightning_vlmbalance.loaders._dataloader_settings import (
     DataLoaderSettings,
-    OfSource,
     check_dataloader_kwargs,
 )
 from lightning_vlmbalance.loaders.global_batch import GlobalBatchFormer, handed_packs
-from lightning_vlmbalance.loaders.map_source import MapPackSource
+from lightning_vlmbalance.loaders.map_source import MapPackSource, PassSources
 from lightning_vlmbalance.packing.collate import PackCollator
 from lightning_vlmbalance.packing.plan import (
     EpochPlan,
@@ -561,6 +560,20 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         }
 
 
+class _OfSources:
+    """A :class:`PackedDataLoader` setting of its pack sources: read from its own, set on every
+    one (each makes its inner ``DataLoader`` again for its next pass)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, loader: Any, owner: type | None = None) -> Any:
+        return self if loader is None else getattr(loader.pack_source, self.name)
+
+    def __set__(self, loader: Any, value: Any) -> None:
+        loader._passes.set(self.name, value)
+
+
 class PackedDataLoader(DataLoaderSettings):
     """A Lightning-ready, resumable loader of packed batches (one pack per batch).
 
@@ -572,7 +585,11 @@ class PackedDataLoader(DataLoaderSettings):
 
     It is the Lightning front of a :class:`~lightning_vlmbalance.loaders.map_source.
     MapPackSource` (``pack_source``: the packs, the positions, the states), which holds no
-    trainer.
+    trainer. The training loader reused for validation (Lightning validates mid-epoch, inside the
+    training pass): an evaluation pass begun while a training pass reads gets a second source
+    over the same dataset and sampler, with its own inner ``DataLoader`` (and persistent
+    workers) and positions, so the training pass goes on with its own. This needs the loader's
+    ``trainer`` (without one a validation pass cannot be told from a training one).
 
     Args:
         dataset: map-style dataset of samples (see :mod:`~lightning_vlmbalance.packing.collate`).
@@ -598,10 +615,10 @@ class PackedDataLoader(DataLoaderSettings):
     # Lightning inspects ``sampler`` / ``batch_sampler`` like a DataLoader's (set_epoch, the
     # shuffle check of validation loaders): packs come from ``sampler``, there is no batch sampler
     batch_sampler = None
-    # the pack source's (read and set there)
-    dataset = OfSource()
-    sampler = OfSource()
-    collate_fn = OfSource()
+    # the pack source's (read there; set on every source: the next pass uses it)
+    dataset = _OfSources()
+    sampler = _OfSources()
+    collate_fn = _OfSources()
 
     def __init__(
         self,
@@ -615,6 +632,7 @@ class PackedDataLoader(DataLoaderSettings):
         check_dataloader_kwargs("PackedDataLoader", dataloader_kwargs, "the PackingSampler")
         self.dataloader_kwargs = dataloader_kwargs
         self.pack_source = MapPackSource(dataset, sampler, collate_fn, dataloader_kwargs)
+        self._passes = PassSources(self.pack_source)  # and a validation's (class docstring)
         # `trainer=self.trainer` where it is still None (a DataModule's __init__ runs before the
         # Trainer is attached): said in the error a weighted loss raises
         self._given_none = trainer is None
@@ -683,8 +701,9 @@ class PackedDataLoader(DataLoaderSettings):
     # -- iteration ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self.pack_source.begin()
-        return self._generate()
+        source = self._passes.of_pass(self.trainer is not None and not self._training())
+        source.begin()
+        return self._generate(source)
 
     def global_batches(
         self, micro_steps: int | None = None
@@ -715,13 +734,14 @@ class PackedDataLoader(DataLoaderSettings):
         trainer = self.trainer
         return (lambda: trainer.num_training_batches) if self._training() else None
 
-    def _open(self, micro_steps: int) -> int:
-        """Opens the pass of the sampler's epoch (at the first ``next()``: Lightning creates the
-        iterator before it calls ``set_epoch``) and tells the training loop its length."""
+    def _open(self, micro_steps: int, source: MapPackSource | None = None) -> int:
+        """Opens ``source``'s pass of the sampler's epoch (at the first ``next()``: Lightning
+        creates the iterator before it calls ``set_epoch``) and tells the training loop its
+        length."""
         self._adopt_data_parallel()
         epoch = self.sampler.epoch  # Lightning's (what a checkpoint saves)
         plan_epoch = self._plan_epoch(epoch)  # epoch 0's when overfitting
-        lead = self.pack_source.open(plan_epoch, micro_steps)
+        lead = (source or self.pack_source).open(plan_epoch, micro_steps, self._training())
         packs = self.sampler.packs_per_rank(plan_epoch)
         if self._training():
             # epochs differ in pack count; Lightning keeps the count it read before the first
@@ -739,7 +759,7 @@ class PackedDataLoader(DataLoaderSettings):
             self._len_warned = True  # said once
         return lead
 
-    def _generate(self) -> Iterator[dict[str, Any]]:
+    def _generate(self, source: MapPackSource) -> Iterator[dict[str, Any]]:
         """The pass's packs: while training, each optimizer step formed (weighed) by a
         :class:`~lightning_vlmbalance.loaders.global_batch.GlobalBatchFormer` (one small
         all-gather of the packs' features per step, on the world group); otherwise as read."""
@@ -747,7 +767,7 @@ class PackedDataLoader(DataLoaderSettings):
         if weighed:
             spec = step_spec(self.trainer)
             world = spec.world
-            self._open(spec.micro_steps)
+            self._open(spec.micro_steps, source)
             former = GlobalBatchFormer(
                 micro_steps=spec.micro_steps,
                 num_replicas=world.size,
@@ -756,14 +776,14 @@ class PackedDataLoader(DataLoaderSettings):
                 gradient_ranks=world.gradient_ranks,
                 gather_device=self.trainer.strategy.root_device,
             )
-            steps = self.pack_source.global_batches(spec.micro_steps, self._stop())
-            packs = handed_packs(former, steps, self.pack_source.handed)
+            steps = source.global_batches(spec.micro_steps, self._stop())
+            packs = handed_packs(former, steps, source.handed)
         else:
-            self._open(1)
-            packs = self.pack_source.packs()
+            self._open(1, source)
+            packs = source.packs()
         for batch in packs:
             if not weighed:
-                self.pack_source.handed(batch)
+                source.handed(batch)
             if self._given_none and self.trainer is None and isinstance(batch.get("meta"), dict):
                 batch["meta"]["loader_trainer_was_none"] = True
             yield batch
@@ -799,20 +819,23 @@ class PackedDataLoader(DataLoaderSettings):
 
     @property
     def _iterator(self) -> Any:
-        """The inner ``DataLoader``'s persistent iterator (``persistent_workers=True``): Lightning
+        """An inner ``DataLoader``'s persistent iterator (``persistent_workers=True``): Lightning
         shuts its workers down at the end of ``fit`` (and of a validation run) through it, as it
-        does for a ``DataLoader``."""
-        inner = self._made_loader()
-        return None if inner is None else inner._iterator
+        does for a ``DataLoader``, once per loop that iterated the loader."""
+        made = self._passes.iterated()
+        return None if made is None else made._iterator
 
     @_iterator.setter
     def _iterator(self, value: Any) -> None:
-        inner = self._made_loader()
-        if inner is not None:
-            inner._iterator = value
+        made = self._passes.iterated()
+        if made is not None:
+            made._iterator = value
 
-    def _made_loader(self) -> DataLoader | None:
-        return self.pack_source._inner
+    def _made_loaders(self) -> list[DataLoader]:
+        return self._passes.made_loaders()
+
+    def _remake(self) -> None:
+        self._passes.remake()
 
     @property
     def start(self) -> int:

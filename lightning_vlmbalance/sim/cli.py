@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seq-len", type=number(int, minimum=1), default=8192)
     run.add_argument("--dp", type=comma_list(int, minimum=1), default=[8, 64, 512])
     run.add_argument("--ga", type=comma_list(int, minimum=1), default=[1, 8])
-    run.add_argument(
+    modes = run.add_mutually_exclusive_group()  # the old name with the new: refused
+    modes.add_argument(
         "--modes",
         dest="modes",
         type=comma_list(choices=ALL_MODES),
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the rebalancing modes to compare: any of {', '.join(ALL_MODES)}"
         f" (default: {','.join(MODES)})",
     )
-    run.add_argument(
+    modes.add_argument(
         "--strategies",
         dest="modes",
         action=_DeprecatedAlias,

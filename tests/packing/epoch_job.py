@@ -78,20 +78,26 @@ class EpochData(L.LightningDataModule):
                 batch_sampler=[ids.tolist() for ids in plan.plan().rank_packs[rank]],
                 collate_fn=vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
             )
+        if a.validate_with_training_loader and self.loaders:
+            return self.loaders[-1]  # made by val_dataloader for the sanity check
+        workers = {"persistent_workers": True} if a.persistent_workers else {}
         loader = vb.PackedDataLoader(
             SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8),
             sampler(seed=a.seed, window=a.window, balance=a.balance),
             vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
             trainer=self.trainer,
             num_workers=a.num_workers,
+            **workers,
         )
         self.loaders.append(loader)
         return loader
 
     def val_dataloader(self) -> Any:
-        if not self.args.validate:
-            return []
         a = self.args
+        if a.validate_with_training_loader:  # the very same object (validation mid-epoch)
+            return self.loaders[-1] if self.loaders else self.train_dataloader()
+        if not a.validate:
+            return []
         return vb.PackedDataLoader(
             SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8),
             sampler(seed=a.seed, window=a.window, balance=False),
@@ -184,6 +190,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plain-loader", action="store_true")
     p.add_argument("--validate", action="store_true", help="a PackedDataLoader validates")
     p.add_argument("--one-cycle", action="store_true", help="OneCycleLR over the estimate")
+    p.add_argument("--validate-with-training-loader", action="store_true")
+    p.add_argument("--persistent-workers", action="store_true")
+    p.add_argument("--val-check-interval", type=int, default=None, help="in training batches")
     return p
 
 
@@ -210,6 +219,7 @@ def _fit(args: argparse.Namespace) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         overfit_batches=args.overfit_batches,
+        val_check_interval=args.val_check_interval,
         use_distributed_sampler=not args.plain_loader,  # its batch sampler is a list
     )
     model = EpochJob(args.out, **{**SMALL_VLM, "moe_experts": 0}, max_positions=SEQ_LEN)

@@ -11,7 +11,7 @@ step's ``global_loss_tokens`` equal to the loss tokens trained in it (all ranks)
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 
@@ -37,6 +37,16 @@ PLANS = {
 # a checkpoint every 9 optimizer steps; the resumes start from one in epoch 2 (ddp: 20, 21, 21
 # steps in epochs 0-2; vlm_balance: 24, 26, 22)
 CHECKPOINT = ("--checkpoint-every", "9")
+# the training loader validates too (the same object), mid-epoch, with a persistent worker: once
+# trained on the packs its validation passes read, and none of its samples in the next epoch
+VAL_REUSE = (
+    "--validate-with-training-loader",
+    "--num-workers",
+    "1",
+    "--persistent-workers",
+    "--val-check-interval",
+    "6",
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +82,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         "overfit_resume": (*overfit, "--resume", ckpt("overfit", "epoch=0-step=8")),
         "plain_loader": (*plain_loader, "--checkpoint-every", "4"),
         "plain_loader_resume": (*plain_loader, "--resume", ckpt("plain_loader", "epoch=0-step=4")),
+        "ddp_val_reuse": (*DDP, *VAL_REUSE),
+        "vlm_val_reuse": (*VLM_BALANCE, *VAL_REUSE),
     }  # fmt: skip
     after = {
         "resume_ddp": ["ddp"],
@@ -101,6 +113,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             ("resume_ddp", "resume_vlm"),
             ("plain_loader_resume",),
             ("overfit_resume",),
+            ("ddp_val_reuse",),
+            ("vlm_val_reuse",),
         ],
         after=after,
     )
@@ -253,3 +267,21 @@ def test_an_lr_schedule_sized_from_lightnings_estimate_is_never_stepped_past_its
     for r in _ranks(runs, name):
         assert r["optimizer_steps"] <= r["estimated_steps"], r["estimated_steps"]
         assert r["optimizer_steps"] >= r["estimated_steps"] - 5  # and not far from it
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.jobs(n)) for n in ("ddp_val_reuse", "vlm_val_reuse")]
+)
+def test_the_training_loader_reused_to_validate_mid_epoch_trains_every_sample_once(runs, name):
+    """The training ``PackedDataLoader`` is also the validation loader, validated every 6
+    batches, with a persistent worker: each validation pass reads epoch 0's plan whole (every
+    sample once per validation run) and the training pass goes on where it stood. Validation
+    once restarted the training pass's persistent iterator: 52 of 120 samples trained in epoch
+    0, some four times."""
+    ranks = _ranks(runs, name)
+    _epochs_exactly_once(ranks, range(3))
+    _weights_follow_what_is_trained(ranks)
+    for epoch in range(3):
+        counts = Counter(s for r in ranks for e, sids in r["validated"] if e == epoch for s in sids)
+        assert set(counts) == set(range(SAMPLES)) and len(set(counts.values())) == 1, epoch
+        assert next(iter(counts.values())) >= 2, "validated mid-epoch and at the epoch's end"

@@ -343,3 +343,51 @@ def test_a_loader_without_its_trainer_warns_when_an_epoch_has_another_length() -
     assert len(loader) == counts[1]  # asked again (Lightning does): the first answer counts
     with pytest.warns(UserWarning, match=rf"epoch 1 has {counts[1]} packs .* said {counts[0]}"):
         next(iter(loader))
+
+
+class _Marked(vb.PackCollator):
+    def __init__(self, mark: str) -> None:
+        super().__init__(128, image_feature_shape=(4,))
+        self.mark = mark
+
+    def __call__(self, items):
+        batch = super().__call__(items)
+        batch["meta"]["mark"] = self.mark
+        return batch
+
+
+class _Fives(SyntheticVLMDataset):
+    def __getitem__(self, index: int):
+        sample = super().__getitem__(index)
+        sample["input_ids"] = torch.full_like(sample["input_ids"], 5)
+        return sample
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_settings_assigned_after_a_pass_reach_the_next_pass(workers: int) -> None:
+    """``collate_fn``, ``dataset`` and ``num_workers`` set after a pass made the inner
+    ``DataLoader`` (and its persistent worker) reach the next pass; they once read back the new
+    value while every later pass used the first (silently)."""
+    table, ds, sampler, _ = _setup(world_size=1)
+    persistent = {"persistent_workers": True} if workers else {}
+    loader = vb.PackedDataLoader(ds, sampler, _Marked("A"), num_workers=workers, **persistent)
+    assert {b["meta"]["mark"] for b in loader} == {"A"}
+    loader.collate_fn = _Marked("B")
+    loader.dataset = _Fives(table, vocab_size=32, patch_dim=4)
+    batches = list(loader)
+    assert {b["meta"]["mark"] for b in batches} == {"B"}
+    assert all(int(b["input_ids"][0, 0]) == 5 for b in batches if b["meta"]["sample_ids"])
+    loader.num_workers = workers + 1
+    assert loader.num_workers == workers + 1
+    assert _ids(loader) == [b["meta"]["pack_id"] for b in batches]
+    assert loader.pack_source._inner.num_workers == workers + 1
+    if workers:
+        with pytest.raises(ValueError, match="persistent workers need at least one worker"):
+            loader.num_workers = 0
+    with pytest.raises(ValueError, match="the length table does not match the dataset"):
+        loader.dataset = SyntheticVLMDataset(
+            synthetic_length_table(10, tile_tokens=8, max_text_tokens=64, seed=5),
+            vocab_size=32,
+            patch_dim=4,
+        )
+    assert loader.dataset.__class__ is _Fives  # refused: nothing changed

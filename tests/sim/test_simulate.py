@@ -155,6 +155,9 @@ def test_cli_strategies_is_a_deprecated_alias_of_modes(tmp_path, capsys) -> None
     assert "--strategies is deprecated, use --modes" in err
     assert main([*base, "--modes", "off", "--no-progress"]) == 0
     assert capsys.readouterr().out.split()[0] == "mode"
+    with pytest.raises(SystemExit):  # both: refused (the last one once won silently)
+        main([*base, "--modes", "off", "--strategies", "overlap"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_cli_training_strategy_sets_the_synchronisation(tmp_path, capsys) -> None:
