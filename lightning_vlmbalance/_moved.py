@@ -44,7 +44,7 @@ def renamed_keyword(old: str, new: str, why: str = "") -> Callable[[Any], Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             if old in kwargs:
                 name = fn.__qualname__.removesuffix(".__init__")
-                if new in kwargs:
+                if kwargs.get(new) is not None:  # (``new=None``, a default, is not given)
                     raise TypeError(f"`{name}({old}=..., {new}=...)`: give `{new}` only")
                 warnings.warn(
                     f"`{name}({old}=...)` is now `{new}=...`{why}",

@@ -127,6 +127,8 @@ def test_strategies_is_a_deprecated_name_of_modes() -> None:
     assert old == new
     with pytest.raises(TypeError, match=r"strategies=.*modes="):
         simulate(table, modes=["off"], strategies=["off"], **kwargs)
+    with pytest.warns(FutureWarning, match="modes="):  # modes=None is its default: not given
+        assert simulate(table, modes=None, strategies=["off", "overlap"], **kwargs) == new
     import importlib
 
     import lightning_vlmbalance.sim as sim
