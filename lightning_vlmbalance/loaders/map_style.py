@@ -717,7 +717,7 @@ class PackedDataLoader(DataLoaderSettings):
 
         def steps() -> Iterator[tuple[list[dict[str, Any]], None, int]]:
             size = micro_steps if micro_steps is not None else self._micro_steps()
-            self._open(size)
+            self._open(size, self.pack_source)
             for packs, features, skip in self.pack_source.global_batches(size, self._stop()):
                 for k, pack in enumerate(packs):
                     self.pack_source.handed(pack, trained=k >= skip)
@@ -734,14 +734,14 @@ class PackedDataLoader(DataLoaderSettings):
         trainer = self.trainer
         return (lambda: trainer.num_training_batches) if self._training() else None
 
-    def _open(self, micro_steps: int, source: MapPackSource | None = None) -> int:
+    def _open(self, micro_steps: int, source: MapPackSource) -> int:
         """Opens ``source``'s pass of the sampler's epoch (at the first ``next()``: Lightning
         creates the iterator before it calls ``set_epoch``) and tells the training loop its
         length."""
         self._adopt_data_parallel()
         epoch = self.sampler.epoch  # Lightning's (what a checkpoint saves)
         plan_epoch = self._plan_epoch(epoch)  # epoch 0's when overfitting
-        lead = (source or self.pack_source).open(plan_epoch, micro_steps, self._training())
+        lead = source.open(plan_epoch, micro_steps, self._training())
         packs = self.sampler.packs_per_rank(plan_epoch)
         if self._training():
             # epochs differ in pack count; Lightning keeps the count it read before the first

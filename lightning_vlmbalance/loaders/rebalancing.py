@@ -410,9 +410,9 @@ class RebalancingLoader(_LooksLikeItsLoader):
                 self._pass_start = self._inner_start() - lead
             for k, batch in enumerate(ready):
                 self._yielded += 1
-                if k < lead:
-                    continue
                 event = self.former.ready_events.pop(id(batch), None)
+                if k < lead:  # (its event goes too: an id is reused once the batch is freed)
+                    continue
                 if event is not None:  # received on the GPU: the consumer's stream waits for it
                     wait_pack_ready(batch, event)
                 yield batch
