@@ -32,6 +32,10 @@ batch: its plan and exchange are done by then):
                                     their pack's, over the last global batch (all ranks)
 ``balance/encoder_bytes``           the image bytes rank 0 received to encode (rank 0's
                                     alone: no collective counts the others')
+``balance/choice``                  ``mode="auto"``: the option taken for the global batch,
+                                    its index in ``OPTIONS`` (0 placed, 1 packs moved,
+                                    2 images routed, 3 both)
+``balance/predicted_step_ms``       ``mode="auto"``: the cost model's step for that option
 ``balance/source_balanced``         1 when the sampler balanced the batch at the source
                                     (``PackingSampler(balance=...)``: nothing moves); absent
                                     when packs are exchanged
@@ -80,6 +84,7 @@ __all__ = ["FSDPVLMBalanceStrategy", "Rebalancer", "VLMBalanceStrategy"]
 _STRATEGY_NAMES = ("vlmbalance", "ddp_vlmbalance")
 _BALANCE_METRICS = ("moved_packs", "planned_waste_frac", "exchange_ms", "exposed_exchange_ms")
 _ENCODER_METRICS = ("encoder_moved_images", "encoder_bytes")
+_AUTO_METRICS = ("choice", "predicted_step_ms")  # mode="auto": the option taken, its price
 
 
 # global batches the training loader may have planned beyond the last one trained: the one whose
@@ -262,9 +267,7 @@ class Rebalancer:
         self.source_balanced = bool(getattr(sampler, "balanced", False))
         if self.source_balanced:
             self._one_model_with(sampler)
-        config = (
-            dataclasses.replace(self.config, mode="off") if self.source_balanced else self.config
-        )
+        config = self._config_for(self.source_balanced)
         if self.loader is not None:  # a reload: stop the old loader's pass
             self.loader.close()
         self._logged_batches = 0
@@ -287,8 +290,19 @@ class Rebalancer:
             epoch_position=lambda: seam.resume_position(trainer),
             encoder_group=self.groups.encoder,
             returns=self.returns,
+            meets_every_micro_batch=step.meets_every_micro_batch,
         )
         return self.loader
+
+    def _config_for(self, source_balanced: bool) -> RebalanceConfig:
+        """The config the training loader forms its global batches with: balanced at the
+        source, the packs stay where the sampler placed them (``"auto"`` may still route their
+        images; every other mode moves nothing)."""
+        if not source_balanced:
+            return self.config
+        if self.config.mode == "auto" and self.config.encoder:
+            return dataclasses.replace(self.config, options=("placed", "images"))
+        return dataclasses.replace(self.config, mode="off")
 
     def _one_model_with(self, sampler: Any) -> None:
         """A sampler that balances at the source plans with the model in use: before any refit
@@ -373,6 +387,9 @@ class Rebalancer:
                 module.log(
                     f"balance/{key}", float(stats.get(key, 0.0)), rank_zero_only=True, batch_size=1
                 )
+        for key in _AUTO_METRICS:
+            if key in stats:
+                module.log(f"balance/{key}", float(stats[key]), rank_zero_only=True, batch_size=1)
 
     def teardown(self) -> None:
         self.preemption.release()
@@ -485,10 +502,12 @@ class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):
 
     Args:
         mode, objective, tolerance, exchange_timeout_s, encoder: the fields of
-            :class:`~lightning_vlmbalance.balance.config.RebalanceConfig` (``"overlap"``,
+            :class:`~lightning_vlmbalance.balance.config.RebalanceConfig` (``"auto"``,
             ``"auto"``, ``0.0``, ``300.0``, ``False`` by default; ``encoder=True`` also
-            balances the vision encoder image by image), or
-        config: a ``RebalanceConfig`` instead of those five.
+            balances the vision encoder image by image, for a model that encodes through
+            :func:`~lightning_vlmbalance.balance.encoder.encode_images`), or
+        config: a ``RebalanceConfig`` instead of those five (and its other fields:
+            ``options``, ``calibration``).
         cost_model: a :class:`CostModel` or a path to one saved as JSON (default: defaults).
         sigterm_every_micro_batch: keep Lightning's sync point (its SIGTERM-flag broadcast) at
             every micro-batch (then ranks also synchronise per micro-batch: ``"auto"`` means

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from lightning_vlmbalance.balance.calibration import Calibration
+from lightning_vlmbalance.balance.choice import OPTIONS
 from lightning_vlmbalance.balance.planner import OBJECTIVES, Objective
 from lightning_vlmbalance.parallel import resolve_objective
 
 __all__ = ["MODES", "RebalanceConfig", "resolve_objective"]
 
-Mode = Literal["overlap", "sync", "off"]
+Mode = Literal["auto", "overlap", "sync", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
 
 
@@ -21,8 +22,14 @@ class RebalanceConfig:
     """How each global batch is rebalanced.
 
     Args:
-        mode: ``"overlap"`` (plan and exchange one global batch ahead in a background thread),
-            ``"sync"`` (in line) or ``"off"`` (no move; the loss weights are still set).
+        mode: ``"auto"`` (the default: each global batch, one global batch ahead in a
+            background thread, is priced with the cost model for every option the model allows
+            (packs as placed, packs moved, and with ``encoder=True`` images routed, or packs
+            moved then images routed) as the ranks will meet, and the cheapest is carried out;
+            see :mod:`~lightning_vlmbalance.balance.choice`), ``"overlap"`` (the pack planner
+            and exchange, or with ``encoder=True`` the image routing, always, in the thread),
+            ``"sync"`` (the same in line) or ``"off"`` (no move; the loss weights are still
+            set).
         objective: ``"auto"`` (decided by who synchronises how often: ``"step"`` when ranks
             meet once per optimizer step, ``"microstep"`` when they meet every micro-batch),
             ``"microstep"``, ``"step"`` or ``"both"`` (see ``docs/rebalancing.md``).
@@ -33,6 +40,10 @@ class RebalanceConfig:
         encoder: also balance the vision encoder image by image at every micro-step (the
             packs stay where they are: see ``docs/two_level_balancing.md``); the model encodes
             through :func:`~lightning_vlmbalance.balance.encoder.encode_images`.
+        options: what ``"auto"`` chooses among, some of
+            :data:`~lightning_vlmbalance.balance.choice.OPTIONS` (``"placed"``, ``"packs"``,
+            ``"images"``, ``"both"``); default every option the model allows (the last two only
+            with ``encoder=True``).
         calibration: online calibration of the cost model while training (a
             :class:`~lightning_vlmbalance.balance.calibration.Calibration`, the default one),
             or ``None`` to plan with the given model throughout. Needs the StragglerMonitor,
@@ -48,11 +59,12 @@ class RebalanceConfig:
         trainer = L.Trainer(strategy=VLMBalanceStrategy(config=config))
     """
 
-    mode: Mode = "overlap"
+    mode: Mode = "auto"
     objective: Literal["auto"] | Objective = "auto"
     tolerance: float = 0.0
     exchange_timeout_s: float = 300.0
     encoder: bool = False
+    options: tuple[str, ...] | None = None
     calibration: Calibration | None = field(default_factory=Calibration)
 
     def __post_init__(self) -> None:
@@ -63,6 +75,19 @@ class RebalanceConfig:
                 f"`RebalanceConfig(objective={self.objective!r})`: expected 'auto' or one of"
                 f" {OBJECTIVES}"
             )
+        if self.options is not None:
+            options = tuple(self.options) if not isinstance(self.options, str) else ()
+            unknown = [o for o in options if o not in OPTIONS]
+            if unknown or not options:
+                raise ValueError(
+                    f"`RebalanceConfig(options={self.options!r})`: expected some of {OPTIONS}"
+                )
+            if not self.encoder and any(o in ("images", "both") for o in options):
+                raise ValueError(
+                    f"`RebalanceConfig(options={self.options!r})`: routing images needs"
+                    " `encoder=True` (a model that encodes through `encode_images`)"
+                )
+            object.__setattr__(self, "options", options)
         if not self.tolerance >= 0:
             raise ValueError(f"`RebalanceConfig(tolerance={self.tolerance!r})` must be >= 0")
         if self.calibration is not None and not isinstance(self.calibration, Calibration):

@@ -13,7 +13,11 @@ the loss contract (:mod:`lightning_vlmbalance.loss`), out. In between, by the
   (:func:`~lightning_vlmbalance.balance.exchange.exchange_packs`);
 * ``encoder=True``: every pack stays home, its images are planned over the ranks' vision
   encoders and their pixels sent where they are encoded
-  (:mod:`~lightning_vlmbalance.balance.encoder`).
+  (:mod:`~lightning_vlmbalance.balance.encoder`);
+* ``"auto"``: each of the options above (and packs moved, then images routed) is priced with
+  the cost model as the ranks will meet, and the cheapest is carried out
+  (:func:`~lightning_vlmbalance.balance.choice.choose_step`); its statistics say which
+  (``choice``) and the predicted step (``predicted_step_ms``).
 
 Which cost model plans a global batch is read from the fit's
 :class:`~lightning_vlmbalance.balance.model_schedule.ModelSchedule` at the optimizer step that
@@ -32,13 +36,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_vlmbalance.balance.choice import (
+    OPTIONS,
+    PACK_OPTIONS,
+    StepInputs,
+    Transfer,
+    choice_stats,
+    choose_step,
+)
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import FEATURES, CostModel, features_from_meta
 from lightning_vlmbalance.balance.encoder import ReturnChannel, probe_fields, route_for
 from lightning_vlmbalance.balance.exchange import ExchangeError, exchange_packs, on_stream
-from lightning_vlmbalance.balance.image_routing import plan_image_routing
+from lightning_vlmbalance.balance.image_routing import ImageRouting, plan_image_routing
 from lightning_vlmbalance.balance.model_schedule import ModelSchedule
-from lightning_vlmbalance.balance.planner import plan_rebalance
+from lightning_vlmbalance.balance.planner import RebalancePlan, plan_rebalance
 from lightning_vlmbalance.loss import weigh_step
 from lightning_vlmbalance.packing.collate import cat_padded
 
@@ -156,6 +168,10 @@ class GlobalBatchFormer:
             ``trainer.global_step`` when the loader was made).
         payload_group, device, group_ranks, encoder_group, returns: see
             :class:`~lightning_vlmbalance.RebalancingLoader`.
+        meets_every_micro_batch: whether the ranks meet at every micro-step anyway (how
+            ``"auto"`` prices a step; default: the config's objective is ``"microstep"``).
+        transfer: what moving bytes costs, for ``"auto"``'s prices (default
+            :class:`~lightning_vlmbalance.balance.choice.Transfer`).
     """
 
     def __init__(
@@ -176,6 +192,8 @@ class GlobalBatchFormer:
         group_ranks: Sequence[int] | None = None,
         encoder_group: dist.ProcessGroup | None = None,
         returns: ReturnChannel | None = None,
+        meets_every_micro_batch: bool | None = None,
+        transfer: Transfer | None = None,
     ) -> None:
         self.micro_steps = int(micro_steps)
         self.num_replicas = int(num_replicas)
@@ -197,6 +215,20 @@ class GlobalBatchFormer:
         self._planned = 0  # global batches formed so far, every pass
         # the routes' return: the strategy's channel (its timers, its returns), or one here
         self.channel = returns if returns is not None else ReturnChannel(encoder_group)
+        if meets_every_micro_batch is None:
+            meets_every_micro_batch = self.config.objective == "microstep"
+        self.meets_every_micro_batch = bool(meets_every_micro_batch)
+        self.transfer = transfer if transfer is not None else Transfer()
+        self._plan_ms = 0.0  # the last auto decision's planning time (what the thread spends)
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """What ``"auto"`` chooses among: the config's ``options``, else every option the
+        model allows (images only with ``encoder=True``: a model encoding through
+        :func:`~lightning_vlmbalance.balance.encoder.encode_images`)."""
+        if self.config.options is not None:
+            return tuple(self.config.options)
+        return OPTIONS if self.config.encoder else PACK_OPTIONS
 
     # -- which cost model plans a global batch ----------------------------------------------
 
@@ -258,7 +290,9 @@ class GlobalBatchFormer:
         cost_model = self.model_for_next_batch()
         global_tokens = int(features[:, LOSS_TOKENS].sum())
         stats: dict[str, float] = {"moved_packs": 0.0, "exchange_ms": 0.0}
-        if self.config.encoder and self.num_replicas > 1:
+        if self.config.mode == "auto" and self.num_replicas > 1:
+            order = self._auto(batches, features, cost_model, stats)
+        elif self.config.encoder and self.num_replicas > 1:
             order, more = self._balance_encoder(batches, features, cost_model)
             stats.update(more)
         elif self.config.mode == "off" or self.num_replicas == 1:
@@ -278,12 +312,17 @@ class GlobalBatchFormer:
     ) -> list[Any]:
         """The pack exchange: plans where every pack of the global batch is computed, sends and
         receives the packs that move, and returns this rank's in micro-step order."""
-        G, W, r = len(batches), self.num_replicas, self.rank
+        G, W = len(batches), self.num_replicas
         cost = cost_model.pack_cost_us({name: features[:, i] for i, name in enumerate(FEATURES)})
         origin = np.repeat(np.arange(W, dtype=np.int64), G)
         plan = plan_rebalance(
             cost, origin, W, G, objective=self.config.objective, tolerance=self.config.tolerance
         )
+        return self._move(batches, plan, stats)
+
+    def _move(self, batches: list[Any], plan: RebalancePlan, stats: dict) -> list[Any]:
+        """Sends and receives the packs ``plan`` moves; this rank's packs in micro-step order."""
+        G, r = len(batches), self.rank
         mine = {r * G + m: b for m, b in enumerate(batches)}
         events: dict[int, Any] = {}
         self._side_stream()
@@ -301,21 +340,69 @@ class GlobalBatchFormer:
         stats["baseline_value"] = float(plan.baseline_value)
         return [mine[p] if p in mine else received[p] for p in plan.assignment[r, :, 0].tolist()]
 
+    def _auto(
+        self, batches: list[Any], features: np.ndarray, cost_model: CostModel, stats: dict
+    ) -> list[Any]:
+        """``mode="auto"``: prices every option for this global batch (the same numbers on
+        every rank, so the same choice) and carries out the cheapest."""
+        start = time.perf_counter()
+        options = self.options
+        routed = any(o in options for o in ("images", "both"))
+        has_images = bool(features[:, FEATURES.index("images")].any())
+        sizes = self._gather_image_sizes(batches, features) if routed and has_images else None
+        if sizes is None:
+            options = tuple(o for o in options if o in PACK_OPTIONS) or ("placed",)
+        choice = choose_step(
+            StepInputs.of_features(features, sizes, cost_model, self.num_replicas, self.transfer),
+            options=options,
+            objective=self.config.objective,
+            meets_every_micro_batch=self.meets_every_micro_batch,
+            threaded=self.config.mode == "auto",
+            transfer=self.transfer,
+            tolerance=self.config.tolerance,
+            plan_ms=self._plan_ms,
+        )
+        self._plan_ms = (time.perf_counter() - start) * 1e3
+        stats.update(choice_stats(choice))
+        stats["choice_plan_ms"] = self._plan_ms
+        order = list(batches)
+        if choice.pack_plan is not None:
+            order = self._move(batches, choice.pack_plan, stats)
+        if choice.routing is not None:
+            assert sizes is not None
+            if choice.pack_plan is not None:  # the routing is over the packs as moved
+                sizes = sizes[choice.pack_plan.assignment[:, :, 0].reshape(-1)]
+            order, more = self._route(order, choice.routing, sizes)
+            more["exchange_ms"] += stats.get("exchange_ms", 0.0)
+            stats.update(more)
+        return order
+
     def _balance_encoder(
         self, batches: list[Any], features: np.ndarray, cost_model: CostModel
     ) -> tuple[list[Any], dict[str, float]]:
         """Encoder balancing of one global batch (``RebalanceConfig(encoder=True)``): the plan
         (:func:`~lightning_vlmbalance.balance.image_routing.plan_image_routing`; in ``"off"``
-        mode the packs keep their micro-steps), the pixels sent where they are encoded, and
-        each batch given its ``encoder_route`` and ``encoder_fields`` (see
-        :mod:`~lightning_vlmbalance.balance.encoder`). Returns this rank's batches in order and
-        the statistics."""
-        W, G, r = self.num_replicas, len(batches), self.rank
+        mode the packs keep their micro-steps), then :meth:`_route`."""
         start = time.perf_counter()
         sizes = self._gather_image_sizes(batches, features)  # (W * G, K), rows per image
         routing = plan_image_routing(
-            features, sizes, cost_model, W, reorder=self.config.mode != "off"
+            features, sizes, cost_model, self.num_replicas, reorder=self.config.mode != "off"
         )
+        planned_ms = (time.perf_counter() - start) * 1e3
+        order, stats = self._route(batches, routing, sizes)
+        stats["encoder_plan_ms"] += planned_ms
+        return order, stats
+
+    def _route(
+        self, batches: list[Any], routing: ImageRouting, sizes: np.ndarray
+    ) -> tuple[list[Any], dict[str, float]]:
+        """Carries out an image routing of this rank's ``batches`` (every rank's packs, rank by
+        rank, as ``routing`` placed them; ``sizes`` their image sizes): the pixels sent where
+        they are encoded, and each batch given its ``encoder_route`` and ``encoder_fields``
+        (see :mod:`~lightning_vlmbalance.balance.encoder`). Returns this rank's batches in
+        order and the statistics."""
+        W, G, r = self.num_replicas, len(batches), self.rank
+        start = time.perf_counter()
         order = [batches[int(p) - r * G] for p in routing.placed[r]]
         K = sizes.shape[1]
         mine: dict[int, Any] = {}

@@ -15,7 +15,10 @@ same number of batches). Per global batch of ``micro_steps`` batches it:
    gives the gradient of the global batch's token-mean loss whatever the placement.
 
 Modes: ``"sync"`` does 1-3 when the global batch is needed; ``"overlap"`` does them in a
-background thread one global batch ahead, so the exchange hides behind compute; ``"off"`` yields
+background thread one global batch ahead, so the exchange hides behind compute; ``"auto"`` (the
+default) does in that thread whichever option the cost model predicts fastest for the global
+batch (as placed, packs moved, or with ``encoder=True`` images routed;
+:mod:`~lightning_vlmbalance.balance.choice`); ``"off"`` yields
 the batches unchanged but still sets ``loss_weight`` (same math as the other modes). The
 thread is joined when the iteration ends, is closed, or fails; a failure in it is raised in the
 consumer as :class:`~lightning_vlmbalance.balance.exchange.ExchangeError` (or the original error),
@@ -67,6 +70,7 @@ log = logging.getLogger(__name__)
 
 _END = object()
 _STATS_KEPT = 1000
+_THREADED = ("overlap", "auto")  # the modes that form global batches in a background thread
 EXCHANGE_THREAD = "vlmbalance-exchange"
 
 
@@ -304,6 +308,7 @@ class RebalancingLoader(_LooksLikeItsLoader):
         epoch_position: Callable[[], int] | None = None,
         encoder_group: dist.ProcessGroup | None = None,
         returns: ReturnChannel | None = None,
+        meets_every_micro_batch: bool | None = None,
         **options: Any,
     ) -> None:
         if micro_steps < 1:
@@ -324,10 +329,11 @@ class RebalancingLoader(_LooksLikeItsLoader):
             )
         if models is not None and cost_model is not None:
             raise ValueError("`RebalancingLoader(cost_model=..., models=...)`: not both")
-        if self.config.encoder and self.config.mode == "overlap" and num_replicas > 1:
+        if self.config.encoder and self.config.mode in _THREADED and num_replicas > 1:
             if encoder_group is None and (returns is None or returns.group is None):
                 raise ValueError(
-                    "`RebalancingLoader(encoder=True, mode='overlap')` needs an `encoder_group`"
+                    f"`RebalancingLoader(encoder=True, mode={self.config.mode!r})` needs an"
+                    " `encoder_group`"
                     " of its own when num_replicas > 1: the embeddings return in the training"
                     " step while this loader's thread runs collectives on `group`"
                 )
@@ -346,6 +352,7 @@ class RebalancingLoader(_LooksLikeItsLoader):
             group_ranks=group_ranks,
             encoder_group=encoder_group,
             returns=returns,
+            meets_every_micro_batch=meets_every_micro_batch,
         )
         self.epoch_batches = epoch_batches
         self.epoch_position = epoch_position
@@ -389,7 +396,7 @@ class RebalancingLoader(_LooksLikeItsLoader):
         return (self.loader,), {}  # a copy picks its class as the original did
 
     def __iter__(self) -> Iterator[Any]:
-        overlapped = self.mode == "overlap" and self.num_replicas > 1
+        overlapped = self.mode in _THREADED and self.num_replicas > 1
         return self._count(self._iter_overlapped() if overlapped else self._iter_inline())
 
     def close(self) -> None:

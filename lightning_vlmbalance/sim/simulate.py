@@ -58,9 +58,19 @@ from typing import Any
 import numpy as np
 
 from lightning_vlmbalance._moved import renamed_keyword
+from lightning_vlmbalance.balance.choice import (
+    OPTIONS,
+    StepInputs,
+    Transfer,
+    choose_step,
+    price_packs,
+    price_placed,
+    price_routing,
+)
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
-from lightning_vlmbalance.balance.images import PackImages, order_micro_steps, plan_images
+from lightning_vlmbalance.balance.image_routing import route_images
+from lightning_vlmbalance.balance.images import PackImages
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.loaders.streaming import hand_size, tail_plan, trained_counts
 from lightning_vlmbalance.packing import PackingConfig, Packs, build_epoch_plan
@@ -86,7 +96,7 @@ MODES: tuple[str, ...] = ("off", "sync", "overlap", "budget")
 # also accepted: "source" (PackingSampler(balance=...): global batches balanced at the source)
 # and the encoder-balanced modes (RebalanceConfig(encoder=True); see the module docstring)
 ENCODER_MODES: tuple[str, ...] = ("encoder", "encoder_overlap", "encoder_source")
-ALL_MODES: tuple[str, ...] = (*MODES, "source", *ENCODER_MODES)
+ALL_MODES: tuple[str, ...] = (*MODES, "source", *ENCODER_MODES, "auto")
 SYNC_EVERY: tuple[str, ...] = ("step", "microstep")
 
 # the simulator's old names of the modes, still importable with a FutureWarning
@@ -151,32 +161,28 @@ class ExchangeModel:
             if not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"`ExchangeModel({name}={v!r})` must be a finite number >= 0")
 
+    @property
+    def transfer(self) -> Transfer:
+        """The transfer costs, as ``mode="auto"`` prices them (:class:`Transfer`)."""
+        return Transfer(
+            bandwidth_gb_s=self.bandwidth_gb_s,
+            latency_ms=self.latency_ms,
+            text_token_bytes=self.text_token_bytes,
+            image_token_bytes=self.image_token_bytes,
+            embedding_token_bytes=self.embedding_token_bytes,
+        )
+
     def exchange_ms(self, moves: np.ndarray, pack_bytes: np.ndarray, world: int) -> float:
-        """Milliseconds until every rank has sent and received its moved packs."""
-        if not len(moves):
-            return self.plan_ms
-        sent = np.bincount(moves[:, 1], weights=pack_bytes[moves[:, 0]], minlength=world)
-        recv = np.bincount(moves[:, 2], weights=pack_bytes[moves[:, 0]], minlength=world)
-        msgs = np.bincount(moves[:, 1], minlength=world) + np.bincount(moves[:, 2], minlength=world)
-        busiest = float(np.max(np.maximum(sent, recv)))
-        return self.plan_ms + busiest / (self.bandwidth_gb_s * 1e6) + self.latency_ms * msgs.max()
+        """Milliseconds until every rank has sent and received its moved packs, planning
+        included."""
+        return self.plan_ms + self.transfer.exchange_ms(moves, pack_bytes, world)
 
     def transfer_ms(
         self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, world: int
     ) -> float:
         """Milliseconds of one all-to-all moving ``nbytes[i]`` from rank ``src[i]`` to
-        ``dst[i]`` (no planning time): the busiest rank's bytes over the bandwidth, plus the
-        latency of its messages (one per peer it exchanges with)."""
-        if not len(src):
-            return 0.0
-        sent = np.bincount(src, weights=nbytes, minlength=world)
-        recv = np.bincount(dst, weights=nbytes, minlength=world)
-        pairs = np.unique(src * world + dst)
-        msgs = np.bincount(pairs // world, minlength=world) + np.bincount(
-            pairs % world, minlength=world
-        )
-        busiest = float(np.max(np.maximum(sent, recv)))
-        return busiest / (self.bandwidth_gb_s * 1e6) + self.latency_ms * float(msgs.max())
+        ``dst[i]`` (no planning time): :meth:`Transfer.transfer_ms`."""
+        return self.transfer.transfer_ms(src, dst, nbytes, world)
 
 
 @dataclass(frozen=True)
@@ -265,38 +271,6 @@ def closed_form_waste(mean_ms: float, std_ms: float, dp: int, ga: int, sync_ever
     spread = std_ms * z * (math.sqrt(ga) if sync_every == "step" else ga)
     expected = ga * mean_ms + spread
     return 1.0 - ga * mean_ms / expected if expected > 0 else 0.0
-
-
-def _encoder_step(
-    images: PackImages, placed: np.ndarray, exchange: ExchangeModel
-) -> tuple[float, float, float, float]:
-    """One global batch with encoder balancing; ``placed[r, m]``: the pack rank ``r``
-    computes at micro-step ``m``. Returns the compute time (per micro-step the slowest
-    language model plus the slowest encoder work), the returns' time (embeddings and
-    gradients, on the step path), the pixels' transfer time (in the rebalancing thread) and
-    the images moved."""
-    R, G = placed.shape
-    busy = returns = moved = 0.0
-    src: list[np.ndarray] = []
-    dst: list[np.ndarray] = []
-    rows: list[np.ndarray] = []
-    base = np.full(R, images.per_call_ms)
-    for m in range(G):
-        packs = placed[:, m]
-        idx, home = images.of_micro_step(packs)
-        plan = plan_images(base, images.cost_ms[idx], home)
-        busy += float(images.llm_ms[packs].max()) + float(plan.load.max())
-        away = plan.encoder != home
-        tokens = images.tokens[idx][away]
-        back = tokens * float(exchange.embedding_token_bytes)
-        returns += 2.0 * exchange.transfer_ms(plan.encoder[away], home[away], back, R)
-        src.append(home[away])
-        dst.append(plan.encoder[away])
-        rows.append(tokens)
-        moved += float(away.sum())
-    pixels = np.concatenate(rows) * float(exchange.image_token_bytes)
-    sent = exchange.transfer_ms(np.concatenate(src), np.concatenate(dst), pixels, R)
-    return busy, returns, exchange.plan_ms + sent, moved
 
 
 class _Pool:
@@ -678,15 +652,15 @@ def _configuration_rows(
     sync_objective = "step" if sync_every == "step" else "microstep"  # how step time adds up
     group = []
     source: _SourcePool | None = None
-    for mode in modes:
-        if mode in ("source", "encoder_source") and source is not None:
-            p, draws = source, source.draws
-        elif mode in ("source", "encoder_source"):  # off's samples, re-formed
+
+    def source_pool() -> _SourcePool:  # off's samples, re-formed (built once)
+        nonlocal source
+        if source is None:
             greedy = pools.get("greedy", R)
             rows_of_off = greedy.table_rows(
                 _draws(greedy, R, G, batches, pools.seed, pools.replay, replay_skip)
             )
-            p = source = _SourcePool(
+            source = _SourcePool(
                 pools.table,
                 rows_of_off,
                 pools.seq_len,
@@ -697,22 +671,23 @@ def _configuration_rows(
                 pools.seed,
                 plan.objective,
             )
-            draws = p.draws
+        return source
+
+    def run(mode: str, p: _Pool | _SourcePool, draws: list[np.ndarray], **kw: Any) -> dict:
+        return _run(
+            mode, p, draws, R, G, sync_objective, plan, pools.exchange, overhead_ms, progress, **kw
+        )
+
+    for mode in modes:
+        if mode in ("source", "encoder_source"):
+            p = source_pool()
+            row = run(mode, p, p.draws)
+        elif mode == "auto":
+            row = _auto_row(pools, source_pool(), R, G, batches, replay_skip, run)
+            p = pools.get("greedy", R)
         else:
             p = pools.get("budget" if mode == "budget" else "greedy", R)
-            draws = _draws(p, R, G, batches, pools.seed, pools.replay, replay_skip)
-        row = _run(
-            mode,
-            p,
-            draws,
-            R,
-            G,
-            sync_objective,
-            plan,
-            pools.exchange,
-            overhead_ms,
-            progress,
-        )
+            row = run(mode, p, _draws(p, R, G, batches, pools.seed, pools.replay, replay_skip))
         row["samples"] = "own" if mode == "budget" else "off"
         if pools.stream_buffer is not None and mode not in (
             "budget",
@@ -723,6 +698,32 @@ def _configuration_rows(
         group.append(row)
     _add_gains(group, pools.get("greedy", R).cost_ms, R, G, sync_every)
     return group
+
+
+def _auto_row(
+    pools: _PoolCache,
+    source: _SourcePool,
+    R: int,
+    G: int,
+    batches: int,
+    replay_skip: int,
+    run: Callable[..., dict[str, Any]],
+) -> dict[str, Any]:
+    """``auto``: every global batch takes the cheapest option (``choose_step``), and the epoch
+    is formed at the source or not, whichever the simulator predicts faster on the same samples
+    (what the runtime decides per epoch from its plan). At the source the packs are already
+    placed: only images may move."""
+    greedy = pools.get("greedy", R)
+    plain = run(
+        "auto", greedy, _draws(greedy, R, G, batches, pools.seed, pools.replay, replay_skip)
+    )
+    formed = run("auto", source, source.draws, options=("placed", "images"))
+    row = formed if formed["tokens_per_s_per_rank"] > plain["tokens_per_s_per_rank"] else plain
+    row["formed_at_source"] = row is formed
+    if row is plain:
+        row.pop("bound_step_ms", None)
+        row.pop("waste_vs_bound", None)
+    return row
 
 
 def _check_table(table: LengthTable) -> None:
@@ -768,9 +769,103 @@ def _default_budget(greedy: _Pool) -> int:
     return max(1, math.ceil(float(greedy.image_tokens[real].mean()))) if real.any() else 1
 
 
+def _inputs(p: _Pool | _SourcePool, draw: np.ndarray, R: int, transfer: Transfer) -> StepInputs:
+    """One drawn global batch of a pool as :func:`~lightning_vlmbalance.balance.choice.
+    choose_step` prices it (each image's cost and tokens from the pool's ``PackImages``)."""
+    images = p.images
+    first, last = images.offsets[draw], images.offsets[draw + 1]
+    counts = (last - first).astype(np.int64)
+    K = max(1, int(counts.max()) if len(counts) else 1)
+    present = np.arange(K)[None, :] < counts[:, None]
+    if len(images.cost_ms):
+        index = np.where(present, first[:, None] + np.arange(K)[None, :], 0)
+        image_ms = np.where(present, images.cost_ms[index], 0.0)
+        tokens = np.where(present, images.tokens[index], 0)
+    else:
+        image_ms, tokens = np.zeros((len(draw), K)), np.zeros((len(draw), K), dtype=np.int64)
+    return StepInputs(
+        pack_ms=p.cost_ms[draw],
+        llm_ms=images.llm_ms[draw],
+        image_ms=image_ms,
+        image_tokens=tokens,
+        counts=counts,
+        per_call_ms=images.per_call_ms,
+        pack_bytes=p.bytes[draw].astype(np.float64),
+        num_replicas=R,
+    )
+
+
+_REORDER = {"encoder": False, "encoder_overlap": True, "encoder_source": False}
+
+
+def _priced(
+    mode: str,
+    p: _Pool | _SourcePool,
+    draw: np.ndarray,
+    R: int,
+    meets: bool,
+    plan_config: RebalanceConfig,
+    exchange: ExchangeModel,
+    options: Sequence[str],
+) -> tuple[float, float, float, float, str]:
+    """One global batch of ``mode``: its step (compute as the ranks meet, and the exposed
+    part of the off-path work), the exposed part alone, packs moved, images moved, and the
+    option ``auto`` took (the mode's own otherwise). Every mode is priced by the functions
+    ``mode="auto"`` decides with (:mod:`~lightning_vlmbalance.balance.choice`)."""
+    transfer = exchange.transfer
+    inputs = _inputs(p, draw, R, transfer)
+    if R == 1 or mode in ("off", "budget", "source"):
+        return price_placed(inputs, meets_every_micro_batch=meets), 0.0, 0.0, 0.0, "placed"
+    if mode == "auto":
+        choice = choose_step(
+            inputs,
+            options=options,
+            objective=plan_config.objective,
+            meets_every_micro_batch=meets,
+            threaded=True,
+            transfer=transfer,
+            tolerance=plan_config.tolerance,
+            plan_ms=exchange.plan_ms,
+        )
+        packs = len(choice.pack_plan.moves) if choice.pack_plan is not None else 0
+        images = choice.routing.moved_images if choice.routing is not None else 0
+        return choice.step_ms, choice.exposed_ms, float(packs), float(images), choice.option
+    if mode in ("sync", "overlap"):
+        plan = plan_rebalance(
+            np.rint(inputs.pack_ms * 1000.0).astype(np.int64),
+            np.repeat(np.arange(R, dtype=np.int64), inputs.micro_steps),
+            R,
+            inputs.micro_steps,
+            objective=plan_config.objective,
+            tolerance=plan_config.tolerance,
+        )
+        step, exposed = price_packs(
+            inputs,
+            plan,
+            transfer,
+            meets_every_micro_batch=meets,
+            threaded=mode == "overlap",
+            plan_ms=exchange.plan_ms,
+        )
+        return step, exposed, float(len(plan.moves)), 0.0, "packs"
+    routing = route_images(
+        inputs.llm_ms,
+        inputs.image_ms,
+        inputs.image_tokens,
+        inputs.counts,
+        inputs.per_call_ms,
+        R,
+        reorder=_REORDER[mode] and inputs.micro_steps > 1,
+    )
+    step, exposed = price_routing(
+        routing, transfer, meets_every_micro_batch=meets, threaded=True, plan_ms=exchange.plan_ms
+    )
+    return step, exposed, 0.0, float(routing.moved_images), "images"
+
+
 def _run(
     mode: str,
-    p: _Pool,
+    p: _Pool | _SourcePool,
     draws: list[np.ndarray],
     R: int,
     G: int,
@@ -779,53 +874,25 @@ def _run(
     exchange: ExchangeModel,
     overhead_ms: float,
     progress: Callable[[int], Any] | None,
+    options: Sequence[str] = OPTIONS,
 ) -> dict[str, Any]:
     steps, ideals, moved, exposed, tokens, bounds = [], [], [], [], [], []
     images_moved: list[float] = []
-    origin = np.repeat(np.arange(R, dtype=np.int64), G)
-    encoder = mode in ENCODER_MODES
+    chosen: dict[str, int] = {}
+    meets = objective != "step"
     for draw in draws:
-        cost = p.cost_ms[draw]
-        compute = cost.reshape(R, G)
-        placed = draw.reshape(R, G)
-        exposed_ms = ex_ms = 0.0
-        if mode == "encoder_overlap":  # micro-steps of even vision work, no pack moves
-            order = order_micro_steps(p.images.vision_ms[placed])
-            placed = np.take_along_axis(placed, order, axis=1)
-        if mode in ("sync", "overlap") and R > 1:
-            plan = plan_rebalance(
-                np.rint(cost * 1000.0).astype(np.int64),
-                origin,
-                R,
-                G,
-                objective=plan_config.objective,
-                tolerance=plan_config.tolerance,
-            )
-            compute = cost[plan.assignment[:, :, 0]]
-            placed = draw[plan.assignment[:, :, 0]]
-            moves = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 3)
-            moves_global = moves.copy()
-            moves_global[:, 0] = draw[moves[:, 0]] if len(moves) else moves[:, 0]
-            ex_ms = exchange.exchange_ms(moves_global, p.bytes, R)
-            moved.append(len(moves))
-        if encoder and R > 1:
-            busy, returns_ms, pixels_ms, n_images = _encoder_step(p.images, placed, exchange)
-            busy += returns_ms  # on the step path
-            images_moved.append(n_images)
-            ex_ms += pixels_ms  # the pixels travel in the rebalancing thread
-            exposed_ms = max(0.0, ex_ms - busy)
-        else:
-            busy = _step_time(compute, objective)
-        step = busy + overhead_ms
-        if mode == "sync" and R > 1:
-            exposed_ms = ex_ms
-        elif mode == "overlap" and R > 1:
-            # hidden behind a step's compute (the previous one's; batches are exchangeable)
-            exposed_ms = max(0.0, ex_ms - busy)
-        steps.append(step + exposed_ms)
+        step, exposed_ms, packs, n_images, option = _priced(
+            mode, p, draw, R, meets, plan_config, exchange, options
+        )
+        chosen[option] = chosen.get(option, 0) + 1
+        steps.append(step + overhead_ms)
         exposed.append(exposed_ms)
+        moved.append(packs)
+        images_moved.append(n_images)
+        cost = p.cost_ms[draw]
         ideals.append(float(cost.sum()) / R)
-        if mode == "source":  # no step is shorter than its heaviest sample
+        if mode in ("source", "auto") and isinstance(p, _SourcePool):
+            # no step is shorter than its heaviest sample
             bounds.append(max(ideals[-1], float(p.heaviest_ms[draw].max())))
         tokens.append(float(p.tokens[draw].sum()))
         if progress is not None:
@@ -834,10 +901,12 @@ def _run(
     # different number of global batches over the same samples)
     step_ms = float(np.mean(steps))
     ideal = float(np.mean(ideals))
-    extra = {}
+    extra: dict[str, Any] = {}
     if bounds:
         bound = float(np.mean(bounds))
         extra = {"bound_step_ms": bound, "waste_vs_bound": 1.0 - bound / step_ms}
+    if mode == "auto":
+        extra["choices"] = chosen
     return {
         "mode": mode,
         "dp": R,
@@ -855,9 +924,3 @@ def _run(
         "exposed_exchange_ms": float(np.mean(exposed)),
         **extra,
     }
-
-
-def _step_time(compute: np.ndarray, objective: str) -> float:
-    if objective == "step":
-        return float(compute.sum(axis=1).max())
-    return float(compute.max(axis=0).sum())

@@ -292,20 +292,19 @@ def _dtensor_params(module: torch.nn.Module) -> int:
 
 def _strategy(args: argparse.Namespace) -> Any:
     timeout = args.exchange_timeout_s
+    config = vb.RebalanceConfig(
+        mode=args.mode,
+        exchange_timeout_s=timeout,
+        encoder=args.encoder,
+        options=tuple(args.options.split(",")) if args.options else None,
+    )
     if args.strategy == "vlmbalance":
-        return vb.VLMBalanceStrategy(
-            mode=args.mode,
-            exchange_timeout_s=timeout,
-            encoder=args.encoder,
-            find_unused_parameters=args.find_unused,
-        )
+        return vb.VLMBalanceStrategy(config=config, find_unused_parameters=args.find_unused)
     if args.strategy == "ddp" and args.find_unused:
         return DDPStrategy(find_unused_parameters=True)
     if args.strategy == "fsdp_vlmbalance":
         return vb.FSDPVLMBalanceStrategy(
-            mode=args.mode,
-            exchange_timeout_s=timeout,
-            encoder=args.encoder,
+            config=config,
             gradient_sync_every_micro_batch=not args.no_sync_accumulation,
             tensor_parallel_size=args.tp,
         )
@@ -374,6 +373,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="vlmbalance")
     p.add_argument("--mode", default="overlap")
+    p.add_argument("--options", default=None, help='mode="auto": the options, comma-separated')
     p.add_argument("--global-tokens", action="store_true")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--accumulate", type=int, default=4)

@@ -353,14 +353,24 @@ FITS = {  # the longest first (4 ranks: with `pytest -m suite`)
     "overlap_ga1_unused": _args("vlmbalance", 1, "--encoder", *UNUSED),
     # trainer.fit(torch.compile(model)): the encoder compiled, the route's bookkeeping eager
     "overlap_ga3_compiled": _args("vlmbalance", 3, "--encoder", "--compile"),
+    # mode="auto": each global batch priced and the cheapest option taken; restricted to one
+    # option, each way of carrying a choice out runs at every global batch
+    "auto_ga3": _args("vlmbalance", 3, "--mode", "auto", "--encoder"),
+    "auto_both_ga3": _args("vlmbalance", 3, "--mode", "auto", "--encoder", "--options", "both"),
+    "auto_images_ga3": _args(
+        "vlmbalance", 3, "--mode", "auto", "--encoder", "--options", "images"
+    ),
+    "fsdp_auto_both_ga3": _args(
+        "fsdp_vlmbalance", 3, "--mode", "auto", "--encoder", "--options", "both"
+    ),
 }
 # the fits of one launch run one after the other in the same processes (process start-up is
 # most of a short fit's time), the baseline first: before any encoder-balancing code ran there
 LAUNCHES = [
     ("ddp4_ga3", "overlap4_ga3"),
     ("source_ga3", "source_encoder_ga3"),
-    ("fsdp_ga3", "fsdp_encoder_ga3"),
-    ("ddp_ga3", "off_ga3", "overlap_ga3"),
+    ("fsdp_ga3", "fsdp_encoder_ga3", "fsdp_auto_both_ga3"),
+    ("ddp_ga3", "off_ga3", "overlap_ga3", "auto_ga3", "auto_both_ga3", "auto_images_ga3"),
     ("ddp_ga1", "overlap_ga1", "overlap_ga3_compiled"),
     ("ddp_ga1_unused", "overlap_ga1_unused", "ddp_ga3_preprocess", "overlap_ga3_preprocess"),
     ("overlap_ga3_batch_preprocess",),  # fails: alone
@@ -375,6 +385,9 @@ PAIRS = [  # (with encoder balancing, its baseline)
     ("overlap_ga3_preprocess", "ddp_ga3_preprocess"),
     ("overlap_ga1_unused", "ddp_ga1_unused"),
     ("overlap_ga3_compiled", "ddp_ga3"),
+    ("auto_both_ga3", "ddp_ga3"),
+    ("auto_images_ga3", "ddp_ga3"),
+    ("fsdp_auto_both_ga3", "fsdp_ga3"),
 ]
 
 
@@ -415,6 +428,29 @@ def test_same_parameters_with_images_moved(fits, run, baseline) -> None:
     assert all((s["encoder_bytes"] > 0) == (s["encoder_received_images"] > 0) for s in stats)
     assert any(s["encoder_received_images"] for s in stats)
     assert {"balance/encoder_moved_images", "balance/encoder_bytes"} <= set(got[0]["logged"])
+
+
+@pytest.mark.jobs("auto_ga3", "auto_both_ga3", "ddp_ga3")
+def test_auto_takes_one_option_per_global_batch_on_every_rank_and_keeps_the_parameters(
+    fits,
+) -> None:
+    """``mode="auto"``: every global batch has a choice and a predicted step, the same on
+    both ranks, logged to the metrics; the parameters are those of plain DDP (float64, 1e-10).
+    Restricted to ``both``, every global batch moves packs and then routes their images."""
+    from lightning_vlmbalance.balance.choice import OPTIONS
+
+    want = fit_result(fits["root"] / "ddp_ga3")
+    for run in ("auto_ga3", "auto_both_ga3"):
+        check(result(fits["procs"], run))
+        got = fit_result(fits["root"] / run)
+        assert max_rel_diff(got["params"], want["params"]) < 1e-10, run
+        chosen = [[OPTIONS[int(s["choice"])] for s in got[r]["stats"]] for r in (0, 1)]
+        assert chosen[0] == chosen[1] and chosen[0], (run, chosen)
+        assert all(s["predicted_step_ms"] > 0 for s in got[0]["stats"])
+        assert {"balance/choice", "balance/predicted_step_ms"} <= set(got[0]["logged"])
+    both = fit_result(fits["root"] / "auto_both_ga3")[0]["stats"]
+    assert {OPTIONS[int(s["choice"])] for s in both} == {"both"}
+    assert sum(s["moved_packs"] for s in both) > 0 and sum(s["encoder_moved_images"] for s in both)
 
 
 @pytest.mark.jobs("overlap_ga3_batch_preprocess")

@@ -1,0 +1,156 @@
+"""``mode="auto"``'s decision (``balance/choice.py``): each option priced as the ranks meet."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lightning_vlmbalance.balance.choice import (
+    OPTIONS,
+    StepInputs,
+    Transfer,
+    choose_step,
+    met_step_ms,
+)
+from lightning_vlmbalance.balance.config import RebalanceConfig
+
+FREE = Transfer(bandwidth_gb_s=1e9, latency_ms=0.0)  # moving costs nothing: compute decides
+
+
+def _inputs(llm, images, per_call=0.0, W=2) -> StepInputs:
+    """Packs rank by rank: ``llm[i]`` and the encoder costs of pack ``i``'s images (their
+    tokens: the cost x 10, any positive number does)."""
+    K = max(1, max(len(x) for x in images))
+    image_ms = np.zeros((len(llm), K))
+    for i, x in enumerate(images):
+        image_ms[i, : len(x)] = x
+    counts = np.array([len(x) for x in images])
+    vision = image_ms.sum(axis=1) + np.where(counts > 0, per_call, 0.0)
+    return StepInputs(
+        pack_ms=np.asarray(llm, dtype=float) + vision,
+        llm_ms=np.asarray(llm, dtype=float),
+        image_ms=image_ms,
+        image_tokens=(image_ms * 10).astype(np.int64),
+        counts=counts,
+        per_call_ms=per_call,
+        pack_bytes=np.full(len(llm), 1000.0),
+        num_replicas=W,
+    )
+
+
+def test_a_step_is_priced_as_the_ranks_meet() -> None:
+    work = np.array([[3.0, 1.0], [1.0, 3.0]])
+    assert met_step_ms(work, meets_every_micro_batch=False) == 4.0  # totals 4 and 4
+    assert met_step_ms(work, meets_every_micro_batch=True) == 6.0  # 3 + 3
+    # micro-step 0 moves images: its encoder (1 | 0) and language (2 | 1) are each waited for;
+    # micro-step 1 does not, and the ranks meet at the step's end only: 1 + 2 + max(1, 3)
+    encoder = np.array([[1.0, 0.0], [0.0, 0.0]])
+    language = work - encoder
+    meetings = np.array([True, False])
+    got = met_step_ms(
+        work,
+        meets_every_micro_batch=False,
+        meetings=meetings,
+        encoder=encoder,
+        language=language,
+    )
+    assert got == 1.0 + 2.0 + 3.0
+
+
+def test_one_micro_batch_per_step_routes_the_images_of_a_heavy_pack() -> None:
+    # rank 0's pack: 4 images of 10 ms; rank 1's: text. Images spread: 20 + 20 + 5 = 25 ms
+    inputs = _inputs([5.0, 5.0], [[10.0] * 4, []])
+    choice = choose_step(
+        inputs, objective="step", meets_every_micro_batch=False, threaded=True, transfer=FREE
+    )
+    assert choice.option == "images"
+    assert choice.prices["placed"] == 45.0 and choice.prices["packs"] == 45.0
+    assert choice.step_ms == pytest.approx(25.0)
+    assert choice.routing is not None and choice.routing.moved_images == 2
+    # without routes (a model that does not encode through encode_images), nothing moves
+    pack_only = choose_step(
+        inputs,
+        options=("placed", "packs"),
+        objective="step",
+        meets_every_micro_batch=False,
+        threaded=True,
+        transfer=FREE,
+    )
+    assert pack_only.option == "placed" and pack_only.pack_plan is None  # a tie: moving less
+
+
+def test_with_accumulation_a_meeting_per_micro_step_can_cost_more_than_it_saves() -> None:
+    # two micro-steps, rank totals equal (12 | 12) but each micro-step uneven: meeting at the
+    # step's end only, the placed packs are balanced; routing images would make each
+    # micro-step a meeting and expose the language model's imbalance (10 | 2, then 2 | 10)
+    inputs = _inputs([10.0, 1.0, 1.0, 10.0], [[], [1.0], [1.0], []])
+    choice = choose_step(
+        inputs, objective="step", meets_every_micro_batch=False, threaded=True, transfer=FREE
+    )
+    assert choice.option == "placed" and choice.step_ms == 12.0
+    assert choice.prices["images"] >= choice.prices["placed"]
+
+
+def test_uneven_ranks_with_accumulation_move_packs() -> None:
+    inputs = _inputs([9.0, 9.0, 1.0, 1.0], [[], [], [], []])
+    choice = choose_step(
+        inputs, objective="step", meets_every_micro_batch=False, threaded=True, transfer=FREE
+    )
+    assert choice.option == "packs" and choice.step_ms == 10.0
+    assert choice.pack_plan is not None and choice.pack_plan.moved_packs == 2
+
+
+def test_an_exchange_slower_than_the_step_is_paid_in_line_and_its_excess_in_a_thread() -> None:
+    slow = Transfer(bandwidth_gb_s=1e-6, latency_ms=0.0)  # 1,000 bytes: 1,000 ms
+    inputs = _inputs([9.0, 9.0, 1.0, 1.0], [[], [], [], []])
+    inline = choose_step(
+        inputs,
+        options=("packs",),
+        objective="step",
+        meets_every_micro_batch=False,
+        threaded=False,
+        transfer=slow,
+    )
+    hidden = choose_step(
+        inputs,
+        options=("packs",),
+        objective="step",
+        meets_every_micro_batch=False,
+        threaded=True,
+        transfer=slow,
+    )
+    assert inline.step_ms == pytest.approx(10.0 + 1000.0)
+    assert hidden.step_ms == pytest.approx(1000.0)  # 10 ms of it hidden behind the step
+    both = choose_step(
+        inputs, objective="step", meets_every_micro_batch=False, threaded=True, transfer=slow
+    )
+    assert both.option == "placed"  # the exchange costs more than it saves
+
+
+def test_every_rank_takes_the_same_option_from_the_same_numbers() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        W, G = 4, 3
+        images = [list(rng.uniform(0, 20, rng.integers(0, 4))) for _ in range(W * G)]
+        inputs = _inputs(list(rng.uniform(1, 30, W * G)), images, per_call=0.5, W=W)
+        kw = dict(objective="step", meets_every_micro_batch=False, threaded=True)
+        a, b = choose_step(inputs, **kw), choose_step(inputs, **kw)
+        assert (a.option, a.step_ms) == (b.option, b.step_ms)
+        assert a.step_ms == min(a.prices.values()) and set(a.prices) == set(OPTIONS)
+
+
+def test_unknown_options_and_routes_without_the_encoder_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"options=\['teleport'\]"):
+        choose_step(
+            _inputs([1.0, 1.0], [[], []]),
+            options=("teleport",),
+            objective="step",
+            meets_every_micro_batch=False,
+            threaded=True,
+        )
+    with pytest.raises(ValueError, match=r"RebalanceConfig\(options=\('both',\)\)`: routing images needs"):
+        RebalanceConfig(options=("both",))
+    with pytest.raises(ValueError, match="expected some of"):
+        RebalanceConfig(options=("placed", "teleport"))
+    assert RebalanceConfig(encoder=True, options=["images"]).options == ("images",)
+    assert RebalanceConfig().mode == "auto"
