@@ -148,7 +148,8 @@ def test_unknown_options_and_routes_without_the_encoder_are_refused_by_name() ->
             meets_every_micro_batch=False,
             threaded=True,
         )
-    with pytest.raises(ValueError, match=r"RebalanceConfig\(options=\('both',\)\)`: routing images needs"):
+    needs = r"RebalanceConfig\(options=\('both',\)\)`: routing images needs"
+    with pytest.raises(ValueError, match=needs):
         RebalanceConfig(options=("both",))
     with pytest.raises(ValueError, match="expected some of"):
         RebalanceConfig(options=("placed", "teleport"))

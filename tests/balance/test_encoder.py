@@ -357,9 +357,7 @@ FITS = {  # the longest first (4 ranks: with `pytest -m suite`)
     # option, each way of carrying a choice out runs at every global batch
     "auto_ga3": _args("vlmbalance", 3, "--mode", "auto", "--encoder"),
     "auto_both_ga3": _args("vlmbalance", 3, "--mode", "auto", "--encoder", "--options", "both"),
-    "auto_images_ga3": _args(
-        "vlmbalance", 3, "--mode", "auto", "--encoder", "--options", "images"
-    ),
+    "auto_images_ga3": _args("vlmbalance", 3, "--mode", "auto", "--encoder", "--options", "images"),
     "fsdp_auto_both_ga3": _args(
         "fsdp_vlmbalance", 3, "--mode", "auto", "--encoder", "--options", "both"
     ),
