@@ -1,19 +1,22 @@
 """The main job: a real multi-process training of the example VLM on the CPU, and the gain.
 
-    python -m examples.train                        # 2 processes (gloo): the four modes
+    python -m examples.train                        # 2 processes (gloo): the five modes
     python -m examples.train --balance-mode source  # one mode alone
     python -m examples.train --strategy ddp         # plain DDP, one run
     python -m examples.train --data a.csv --length-scale 0.0625 --seq-len 512
 
 By default one invocation trains the same data (one epoch) from the same initial weights in
-four modes: ``off`` (packs where the sampler put them), ``overlap`` (whole packs exchanged
-between ranks in the background), ``source`` (global batches formed by cost in the sampler) and
+five modes: ``off`` (packs where the sampler put them), ``overlap`` (whole packs exchanged
+between ranks in the background), ``source`` (global batches formed by cost in the sampler),
 ``encoder`` (every pack stays on its rank, ordered over the micro-steps for even vision work, and
 each micro-step's images are encoded on the ranks the plan gives them: two-level balancing,
-``RebalanceConfig(encoder=True)``), with a cost model calibrated from the first ``off`` run's own
-StragglerMonitor logs. Each mode trains ``--rounds`` times, the rounds in ABBA order (off,
-overlap, source, encoder, encoder, source, overlap, off), so that a change of the machine's load
-during the job lands on every mode alike.
+``RebalanceConfig(encoder=True)``) and ``auto`` (the default mode: each global batch priced with
+the cost model as the ranks will meet, as placed, packs moved, images routed or both, and the
+cheapest taken; ``RebalanceConfig(mode="auto", encoder=True)``). No mode needs a calibration
+file: each refits the cost model online from its own StragglerMonitor timings. Each mode trains
+``--rounds`` times, the rounds in ABBA order (off, overlap, source, encoder, auto, auto, encoder,
+source, overlap, off), so that a change of the machine's load during the job lands on every mode
+alike.
 
 The headline is whole-run tokens/s (every mode trains the same samples: the same tokens), summed
 over the rounds, and its gain over ``off``; the gain of each round against that round's ``off``
@@ -59,6 +62,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 import lightning_vlmbalance as vb
 from examples.vlm import ToyVLM
 from lightning_vlmbalance.balance import features_from_packs
+from lightning_vlmbalance.balance.choice import OPTIONS
 from lightning_vlmbalance.packing import Packs
 from lightning_vlmbalance.synthetic import (
     LengthTable,
@@ -68,8 +72,8 @@ from lightning_vlmbalance.synthetic import (
 )
 from lightning_vlmbalance.timing import WAIT_PHASES
 
-MODES = ("off", "overlap", "sync", "source", "encoder")
-COMPARED = ("off", "overlap", "source", "encoder")
+MODES = ("off", "overlap", "sync", "source", "encoder", "auto")
+COMPARED = ("off", "overlap", "source", "encoder", "auto")
 # the strategies that balance, by --strategy name
 BALANCING = {"vlmbalance": vb.VLMBalanceStrategy, "fsdp_vlmbalance": vb.FSDPVLMBalanceStrategy}
 WARMUP_STEPS = 5  # optimizer steps left out of the median step time (a secondary figure)
@@ -324,6 +328,13 @@ class RunSummary(L.Callback):
                 self.summary["exposed_exchange_ms"] = round(
                     float(np.median([b["exposed_exchange_ms"] for b in loader.stats])), 2
                 )
+            chosen = [b for b in loader.stats if "choice" in b]
+            if chosen:  # mode="auto": what it took, and its prediction of the step
+                taken = [OPTIONS[int(b["choice"])] for b in chosen]
+                self.summary["choices"] = {o: taken.count(o) for o in OPTIONS if o in taken}
+                self.summary["predicted_step_ms_median"] = round(
+                    float(np.median([b["predicted_step_ms"] for b in chosen])), 2
+                )
         rebalancer = getattr(trainer.strategy, "rebalancer", None)
         driver = None if rebalancer is None else rebalancer.calibration
         if rebalancer is not None:  # the model the run ended with: its own fit, online
@@ -515,7 +526,7 @@ def fit_mode(
             **unused,
             config=vb.RebalanceConfig(
                 mode={"source": "off", "encoder": "overlap"}.get(mode, mode),
-                encoder=mode == "encoder",
+                encoder=mode in ("encoder", "auto"),
                 calibration=calibration,
             ),
             cost_model=cost_model,
@@ -925,6 +936,14 @@ def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
             f"\n{headline(summary)}; waiting {modes['off'].get('waste_frac', 0):.1%} ->"
             f" {modes[best].get('waste_frac', 0):.1%} of rank-time."
         )
+    for mode, s in modes.items():
+        if "choices" in s and s["steps_per_s_median"] > 0:  # mode="auto" (first round)
+            measured = 1000.0 / s["steps_per_s_median"]
+            lines.append(
+                f"\n{mode} took {s['choices']} (first round); its predicted step (median)"
+                f" {s['predicted_step_ms_median']:,.0f} ms against {measured:,.0f} ms measured"
+                f" (median, all rounds): {s['predicted_step_ms_median'] / measured:.2f}x."
+            )
     fits = [(mode, s) for mode, s in modes.items() if "final_model" in s]
     if fits:
         lines.append(

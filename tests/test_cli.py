@@ -72,7 +72,7 @@ def test_strategy_by_registered_name(tmp_path) -> None:
     """The plain string is Lightning's registry name: the strategy with its defaults."""
     cli = _fit(tmp_path, "  strategy: vlmbalance\n")
     assert isinstance(cli.trainer.strategy, vb.VLMBalanceStrategy)
-    assert cli.trainer.strategy.mode == "overlap"
+    assert cli.trainer.strategy.mode == "auto"
     assert cli.trainer.global_step == 2
 
 

@@ -149,8 +149,19 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
     }
     balance = {
         k: ["Multiline", [rf"balance/{k}$"]]
-        for k in ("moved_packs", "planned_waste_frac", "exchange_ms", "exposed_exchange_ms")
+        for k in (
+            "moved_packs",
+            "planned_waste_frac",
+            "exchange_ms",
+            "exposed_exchange_ms",
+            "choice",
+        )
     }
+    # mode="auto": its predicted step on the chart of every rank's measured one
+    balance["predicted_step_ms"] = [
+        "Multiline",
+        [r"balance/predicted_step_ms$", r"straggler/step_ms/rank_\d+"],
+    ]
     return {
         "straggler per rank": per_rank,
         "straggler summary": summary,

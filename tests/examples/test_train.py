@@ -195,9 +195,19 @@ def test_the_main_job_compares_the_modes_on_the_same_samples(main_job) -> None:
     encoder = modes["encoder"]
     assert encoder["moved_packs"] == 0
     assert sum(r["moved_images"] for r in encoder["by_round"]) > 0
-    assert all(m["moved_images"] == 0 for k, m in modes.items() if k != "encoder")
+    assert all(m["moved_images"] == 0 for k, m in modes.items() if k not in ("encoder", "auto"))
+    # auto: every global batch had a choice and a predicted step, printed against the measured
+    auto = modes["auto"]
+    assert sum(auto["choices"].values()) > 0 and set(auto["choices"]) <= {
+        "placed",
+        "packs",
+        "images",
+        "both",
+    }
+    assert auto["predicted_step_ms_median"] > 0
+    assert re.search(r"^auto took \{.*\} \(first round\); its predicted step", stdout, re.M)
     # "best" is chosen on the headline figure
-    best = max(("overlap", "source", "encoder"), key=lambda m: modes[m]["tokens_per_s"])
+    best = max(("overlap", "source", "encoder", "auto"), key=lambda m: modes[m]["tokens_per_s"])
     assert summary["best_mode"] == best and summary["gain_vs_off"] == modes[best]["gain_vs_off"]
     assert summary["gain_spread"] == modes[best]["gain_spread"]
     # no offline fit: every mode starts from the default model and calibrates itself online
@@ -249,15 +259,17 @@ def test_every_mode_logs_to_tensorboard(main_job) -> None:
     loss = [e.value for e in acc.Scalars("train/loss")]
     assert len(loss) >= 3 and loss[-1] < loss[0]  # it learns
     # the monitor's custom-scalars layout has its "rebalancing" category, every chart matching
-    acc = _scalars(summary["modes"]["overlap"]["log_dir"])
+    # (auto logs every balance/* metric, and its predicted step next to the measured ones)
+    acc = _scalars(summary["modes"]["auto"]["log_dir"])
     tags = acc.Tags()["scalars"]
+    assert {"balance/choice", "balance/predicted_step_ms"} <= set(tags)
     config = acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0]
     layout = layout_pb2.Layout()
     layout.ParseFromString(config)
     (category,) = [c for c in layout.category if c.title == "rebalancing"]
     for chart in category.chart:
-        (regex,) = chart.multiline.tag
-        assert any(re.fullmatch(regex, t) for t in tags), regex
+        for regex in chart.multiline.tag:
+            assert any(re.fullmatch(regex, t) for t in tags), regex
 
 
 def _summary(mode: str, seconds: float, tokens: int = 1000, **extra) -> dict:
