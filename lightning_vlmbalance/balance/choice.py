@@ -32,6 +32,8 @@ so that its ``auto`` row is the same decision on its tables.
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +48,7 @@ __all__ = [
     "OPTIONS",
     "StepChoice",
     "StepInputs",
+    "StepOverhead",
     "Transfer",
     "choose_step",
     "met_step_ms",
@@ -434,3 +437,76 @@ def choice_stats(choice: StepChoice) -> Mapping[str, float]:
     }
     stats.update({f"predicted_{o}_ms": float(p) for o, p in choice.prices.items()})
     return stats
+
+
+class StepOverhead:
+    """What a step takes beyond the priced compute, learned from the measured steps: the
+    optimizer step, the gradient reduction, FSDP's gathers, the loop itself. The median over
+    the last ``window`` timed steps of the measured step less the price of the option taken
+    (both this rank's). The former adds it to every option's price alike, so it never changes
+    a choice; it makes ``balance/predicted_step_ms`` a prediction of the measured step.
+
+    A ``TimedStepsListener`` of the :class:`~lightning_vlmbalance.StragglerMonitor` (the
+    strategy subscribes it in ``mode="auto"``); without a monitor it stays 0. When online
+    calibration adopts a new cost model the strategy calls :meth:`reset`.
+    """
+
+    state_key = "step_overhead"
+
+    def __init__(self, window: int = 16) -> None:
+        self._residuals: deque[float] = deque(maxlen=int(window))
+        self._prices: dict[int, float] = {}  # optimizer step -> its compute price, until timed
+        self._lock = threading.Lock()
+        self._from = 0  # the first optimizer step priced with the cost model in use
+        self.overhead_ms = 0.0
+
+    def reset(self, from_step: int) -> None:
+        """A new cost model prices the global batches from optimizer step ``from_step`` on:
+        the measured steps priced with the old one say nothing of the new one's error and are
+        forgotten (the estimate so far is kept until a step priced with the new one is timed)."""
+        with self._lock:
+            self._from = int(from_step)
+            self._prices = {k: v for k, v in self._prices.items() if k >= self._from}
+            self._residuals.clear()
+
+    def priced(self, step: int, price_ms: float) -> None:
+        """The former priced the global batch that optimizer step ``step`` trains (from its
+        thread: one global batch ahead)."""
+        with self._lock:
+            self._prices[int(step)] = float(price_ms)
+            if len(self._prices) > 64:  # never timed (no monitor): forget the oldest
+                del self._prices[min(self._prices)]
+
+    # -- the listener ------------------------------------------------------------------------
+    def start(self, world: Any, global_step: int, state: Any = None) -> None:
+        with self._lock:
+            if state is not None:
+                self._residuals.extend(float(x) for x in state.get("residuals", []))
+            self._update()
+
+    def on_timed_steps(self, steps: list[Any], global_step: int) -> dict[str, float]:
+        with self._lock:
+            for step in steps:
+                # a timed step carries the global step after its optimizer step: the batch
+                # priced for optimizer step N is timed as N + 1
+                price = self._prices.pop(int(step.global_step) - 1, None)
+                if price is not None and int(step.global_step) - 1 >= self._from:
+                    self._residuals.append(float(step.step_ms) - price)
+            self._update()
+        return {}
+
+    def end(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"residuals": list(self._residuals)}
+
+    @property
+    def timed(self) -> int:
+        """How many measured steps the estimate is over (at most ``window``)."""
+        return len(self._residuals)
+
+    def _update(self) -> None:
+        if self._residuals:
+            self.overhead_ms = float(np.median(self._residuals))

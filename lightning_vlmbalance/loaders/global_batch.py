@@ -40,6 +40,7 @@ from lightning_vlmbalance.balance.choice import (
     OPTIONS,
     PACK_OPTIONS,
     StepInputs,
+    StepOverhead,
     Transfer,
     choice_stats,
     choose_step,
@@ -172,6 +173,9 @@ class GlobalBatchFormer:
             ``"auto"`` prices a step; default: the config's objective is ``"microstep"``).
         transfer: what moving bytes costs, for ``"auto"``'s prices (default
             :class:`~lightning_vlmbalance.balance.choice.Transfer`).
+        overhead: what a step takes beyond the priced compute, learned from the measured
+            steps (:class:`~lightning_vlmbalance.balance.choice.StepOverhead`; the strategy's),
+            added to ``"auto"``'s predicted step; told each global batch's price.
     """
 
     def __init__(
@@ -194,6 +198,7 @@ class GlobalBatchFormer:
         returns: ReturnChannel | None = None,
         meets_every_micro_batch: bool | None = None,
         transfer: Transfer | None = None,
+        overhead: StepOverhead | None = None,
     ) -> None:
         self.micro_steps = int(micro_steps)
         self.num_replicas = int(num_replicas)
@@ -219,6 +224,7 @@ class GlobalBatchFormer:
             meets_every_micro_batch = self.config.objective == "microstep"
         self.meets_every_micro_batch = bool(meets_every_micro_batch)
         self.transfer = transfer if transfer is not None else Transfer()
+        self.overhead = overhead
         self._plan_ms = 0.0  # the last auto decision's planning time (what the thread spends)
 
     @property
@@ -291,7 +297,8 @@ class GlobalBatchFormer:
         global_tokens = int(features[:, LOSS_TOKENS].sum())
         stats: dict[str, float] = {"moved_packs": 0.0, "exchange_ms": 0.0}
         if self.config.mode == "auto" and self.num_replicas > 1:
-            order = self._auto(batches, features, cost_model, stats)
+            step = self.first_step + self._planned - 1  # the optimizer step training it
+            order = self._auto(batches, features, cost_model, stats, step)
         elif self.config.encoder and self.num_replicas > 1:
             order, more = self._balance_encoder(batches, features, cost_model)
             stats.update(more)
@@ -341,7 +348,12 @@ class GlobalBatchFormer:
         return [mine[p] if p in mine else received[p] for p in plan.assignment[r, :, 0].tolist()]
 
     def _auto(
-        self, batches: list[Any], features: np.ndarray, cost_model: CostModel, stats: dict
+        self,
+        batches: list[Any],
+        features: np.ndarray,
+        cost_model: CostModel,
+        stats: dict,
+        step: int,
     ) -> list[Any]:
         """``mode="auto"``: prices every option for this global batch (the same numbers on
         every rank, so the same choice) and carries out the cheapest."""
@@ -352,6 +364,7 @@ class GlobalBatchFormer:
         sizes = self._gather_image_sizes(batches, features) if routed and has_images else None
         if sizes is None:
             options = tuple(o for o in options if o in PACK_OPTIONS) or ("placed",)
+        overhead_ms = self.overhead.overhead_ms if self.overhead is not None else 0.0
         choice = choose_step(
             StepInputs.of_features(features, sizes, cost_model, self.num_replicas, self.transfer),
             options=options,
@@ -361,7 +374,10 @@ class GlobalBatchFormer:
             transfer=self.transfer,
             tolerance=self.config.tolerance,
             plan_ms=self._plan_ms,
+            overhead_ms=overhead_ms,
         )
+        if self.overhead is not None:  # the price of the compute alone, for the next estimate
+            self.overhead.priced(step, choice.step_ms - overhead_ms)
         self._plan_ms = (time.perf_counter() - start) * 1e3
         stats.update(choice_stats(choice))
         stats["choice_plan_ms"] = self._plan_ms

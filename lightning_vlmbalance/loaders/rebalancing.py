@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vlmbalance._moved import DP_RANKS, renamed_keyword
+from lightning_vlmbalance.balance.choice import StepOverhead
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.encoder import ReturnChannel
@@ -278,6 +279,8 @@ class RebalancingLoader(_LooksLikeItsLoader):
         returns: the :class:`~lightning_vlmbalance.balance.encoder.ReturnChannel` the routes
             carry (the strategy's: its group, its step timers, its micro-batch's returns);
             default one on ``encoder_group``.
+        meets_every_micro_batch, overhead: ``mode="auto"``'s pricing (see
+            :class:`~lightning_vlmbalance.loaders.global_batch.GlobalBatchFormer`).
 
     The loader is resumable (``state_dict`` / ``load_state_dict``, which Lightning checkpoints)
     exactly when the inner loader is a :class:`ResumablePackSource` (it must say where its pass
@@ -309,6 +312,7 @@ class RebalancingLoader(_LooksLikeItsLoader):
         encoder_group: dist.ProcessGroup | None = None,
         returns: ReturnChannel | None = None,
         meets_every_micro_batch: bool | None = None,
+        overhead: StepOverhead | None = None,
         **options: Any,
     ) -> None:
         if micro_steps < 1:
@@ -353,6 +357,7 @@ class RebalancingLoader(_LooksLikeItsLoader):
             encoder_group=encoder_group,
             returns=returns,
             meets_every_micro_batch=meets_every_micro_batch,
+            overhead=overhead,
         )
         self.epoch_batches = epoch_batches
         self.epoch_position = epoch_position

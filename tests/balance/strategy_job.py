@@ -270,6 +270,7 @@ class Job(RecordingVLM):
                     "weights": self.weights,
                     "dtensor_params": _dtensor_params(self),
                     "objective": getattr(strategy, "resolved_objective", None),
+                    "step_overhead": _overhead(strategy),
                 }
             )
         )
@@ -288,6 +289,12 @@ def _dtensor_params(module: torch.nn.Module) -> int:
     from torch.distributed.tensor import DTensor
 
     return sum(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _overhead(strategy: Any) -> dict[str, float] | None:
+    """mode="auto": the step overhead learned from the monitor's timings, and over how many."""
+    overhead = getattr(getattr(strategy, "rebalancer", None), "overhead", None)
+    return None if overhead is None else {"ms": overhead.overhead_ms, "timed": overhead.timed}
 
 
 def _strategy(args: argparse.Namespace) -> Any:
@@ -374,6 +381,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="vlmbalance")
     p.add_argument("--mode", default="overlap")
     p.add_argument("--options", default=None, help='mode="auto": the options, comma-separated')
+    p.add_argument("--monitor", action="store_true", help="a StragglerMonitor")
     p.add_argument("--global-tokens", action="store_true")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--accumulate", type=int, default=4)
@@ -443,6 +451,10 @@ def _fit(args: argparse.Namespace) -> None:
     callbacks: list[Any] = []
     if args.checkpoint_every:
         callbacks.append(step_checkpoints(args.out, args.checkpoint_every, "{step}"))
+    if args.monitor and not args.all_callbacks:
+        callbacks.append(
+            vb.StragglerMonitor(log_every_n_steps=1, jsonl_dir=Path(args.out) / "straggler")
+        )
     if args.all_callbacks:
         callbacks += [
             vb.StragglerMonitor(log_every_n_steps=1, jsonl_dir=Path(args.out) / "straggler"),

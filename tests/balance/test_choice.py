@@ -155,3 +155,45 @@ def test_unknown_options_and_routes_without_the_encoder_are_refused_by_name() ->
         RebalanceConfig(options=("placed", "teleport"))
     assert RebalanceConfig(encoder=True, options=["images"]).options == ("images",)
     assert RebalanceConfig().mode == "auto"
+
+
+def test_the_step_overhead_is_the_median_of_measured_less_priced() -> None:
+    """The former prices the batch of optimizer step N; the monitor times it as N + 1 (the
+    global step after its optimizer step). Unmatched steps are ignored; the state restores."""
+    from types import SimpleNamespace
+
+    from lightning_vlmbalance.balance.choice import StepOverhead
+
+    overhead = StepOverhead(window=3)
+    for n, price in enumerate([100.0, 110.0, 120.0, 130.0]):
+        overhead.priced(n, price)
+    timed = [
+        SimpleNamespace(global_step=n + 1, step_ms=p + extra)
+        for n, (p, extra) in enumerate([(100.0, 5.0), (110.0, 7.0), (120.0, 6.0), (130.0, 50.0)])
+    ]
+    overhead.on_timed_steps([*timed[:3], SimpleNamespace(global_step=99, step_ms=1.0)], 3)
+    assert overhead.overhead_ms == 6.0 and overhead.timed == 3
+    overhead.on_timed_steps(timed[3:], 4)  # the window keeps the last 3: 7, 6, 50
+    assert overhead.overhead_ms == 7.0
+    again = StepOverhead(window=3)
+    again.start(None, 4, overhead.state_dict())
+    assert again.overhead_ms == 7.0
+
+
+def test_a_new_cost_model_forgets_the_old_ones_error() -> None:
+    """After ``reset(from_step)`` only steps priced from ``from_step`` on count; the estimate
+    so far stands until the first of them is timed."""
+    from types import SimpleNamespace
+
+    from lightning_vlmbalance.balance.choice import StepOverhead
+
+    overhead = StepOverhead()
+    for n in range(4):
+        overhead.priced(n, 100.0)
+    overhead.on_timed_steps([SimpleNamespace(global_step=n + 1, step_ms=60.0) for n in (0, 1)], 2)
+    assert overhead.overhead_ms == -40.0  # the old model over-predicted
+    overhead.reset(3)  # a refit prices step 3 on
+    overhead.on_timed_steps([SimpleNamespace(global_step=3, step_ms=500.0)], 3)  # step 2: old
+    assert overhead.overhead_ms == -40.0 and overhead.timed == 0
+    overhead.on_timed_steps([SimpleNamespace(global_step=4, step_ms=130.0)], 4)
+    assert overhead.overhead_ms == 30.0 and overhead.timed == 1

@@ -355,7 +355,7 @@ FITS = {  # the longest first (4 ranks: with `pytest -m suite`)
     "overlap_ga3_compiled": _args("vlmbalance", 3, "--encoder", "--compile"),
     # mode="auto": each global batch priced and the cheapest option taken; restricted to one
     # option, each way of carrying a choice out runs at every global batch
-    "auto_ga3": _args("vlmbalance", 3, "--mode", "auto", "--encoder"),
+    "auto_ga3": _args("vlmbalance", 3, "--mode", "auto", "--encoder", "--monitor"),
     "auto_both_ga3": _args("vlmbalance", 3, "--mode", "auto", "--encoder", "--options", "both"),
     "auto_images_ga3": _args("vlmbalance", 3, "--mode", "auto", "--encoder", "--options", "images"),
     "fsdp_auto_both_ga3": _args(
@@ -446,6 +446,11 @@ def test_auto_takes_one_option_per_global_batch_on_every_rank_and_keeps_the_para
         assert chosen[0] == chosen[1] and chosen[0], (run, chosen)
         assert all(s["predicted_step_ms"] > 0 for s in got[0]["stats"])
         assert {"balance/choice", "balance/predicted_step_ms"} <= set(got[0]["logged"])
+    # the monitor's measured steps teach the overhead beyond the priced compute (auto_ga3 has
+    # a StragglerMonitor): every step but the last few is matched with its price
+    for r in (0, 1):
+        overhead = fit_result(fits["root"] / "auto_ga3")[r]["step_overhead"]
+        assert overhead["timed"] >= 2 and overhead["ms"] != 0.0, overhead
     both = fit_result(fits["root"] / "auto_both_ga3")[0]["stats"]
     assert {OPTIONS[int(s["choice"])] for s in both} == {"both"}
     assert sum(s["moved_packs"] for s in both) > 0 and sum(s["encoder_moved_images"] for s in both)
