@@ -566,6 +566,15 @@ def calibrate(jsonl_dir: Path, out: Path) -> tuple[vb.CostModel, str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: must be at least 1")
+    return run_job(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The job's command line (``benchmarks/sim_main_job.py`` reads its defaults)."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -667,10 +676,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="fit a cost model offline to the first off run's monitor logs and start the"
         " balanced modes from it (the flow before online calibration)",
     )
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error(f"--rounds {args.rounds}: must be at least 1")
+    return p
 
+
+def run_job(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains the modes ``args`` asks for and reports (see the module docstring)."""
     if not args.verbose:  # before the first Trainer, in every rank's process
         quiet_lightning()
     torch.set_num_threads(1)  # one core per rank: two ranks must not fight over two cores
