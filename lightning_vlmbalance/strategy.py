@@ -308,7 +308,7 @@ class Rebalancer:
             return self.config
         if self.config.mode == "auto" and self.config.encoder:
             return dataclasses.replace(self.config, options=("placed", "images"))
-        return dataclasses.replace(self.config, mode="off")
+        return dataclasses.replace(self.config, mode="off", options=None)
 
     def _one_model_with(self, sampler: Any) -> None:
         """A sampler that balances at the source plans with the model in use: before any refit
@@ -509,13 +509,13 @@ class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):
     """DDP with overlapped cross-rank rebalancing of packs (see the module docstring).
 
     Args:
-        mode, objective, tolerance, exchange_timeout_s, encoder: the fields of
+        mode, objective, tolerance, exchange_timeout_s, encoder, options: the fields of
             :class:`~lightning_vlmbalance.balance.config.RebalanceConfig` (``"auto"``,
-            ``"auto"``, ``0.0``, ``300.0``, ``False`` by default; ``encoder=True`` also
-            balances the vision encoder image by image, for a model that encodes through
-            :func:`~lightning_vlmbalance.balance.encoder.encode_images`), or
-        config: a ``RebalanceConfig`` instead of those five (and its other fields:
-            ``options``, ``calibration``).
+            ``"auto"``, ``0.0``, ``300.0``, ``False``, ``None`` by default; ``encoder=True``
+            also balances the vision encoder image by image, for a model that encodes through
+            :func:`~lightning_vlmbalance.balance.encoder.encode_images`; ``options``: what
+            ``"auto"`` chooses among), or
+        config: a ``RebalanceConfig`` instead of those six (and its ``calibration``).
         cost_model: a :class:`CostModel` or a path to one saved as JSON (default: defaults).
         sigterm_every_micro_batch: keep Lightning's sync point (its SIGTERM-flag broadcast) at
             every micro-batch (then ranks also synchronise per micro-batch: ``"auto"`` means
@@ -544,6 +544,7 @@ class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):
         tolerance: float | None = None,
         exchange_timeout_s: float | None = None,
         encoder: bool | None = None,
+        options: tuple[str, ...] | None = None,
         config: RebalanceConfig | None = None,
         cost_model: CostModel | str | None = None,
         sigterm_every_micro_batch: bool = False,
@@ -558,6 +559,7 @@ class VLMBalanceStrategy(_RebalancingProperties, DDPStrategy):
             tolerance=tolerance,
             exchange_timeout_s=exchange_timeout_s,
             encoder=encoder,
+            options=options,
         )
         super().__init__(**kwargs)
         self.rebalancer = Rebalancer(
@@ -639,7 +641,8 @@ class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
     the data-parallel size (FSDP averages gradients over that dimension).
 
     Args:
-        mode, objective, tolerance, exchange_timeout_s, config, cost_model, gpu_payloads: as for
+        mode, objective, tolerance, exchange_timeout_s, encoder, options, config, cost_model,
+            gpu_payloads: as for
             :class:`VLMBalanceStrategy`.
         data_parallel_size: default: every rank (``world_size / tensor_parallel_size``).
         tensor_parallel_size: default 1.
@@ -663,6 +666,7 @@ class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
         tolerance: float | None = None,
         exchange_timeout_s: float | None = None,
         encoder: bool | None = None,
+        options: tuple[str, ...] | None = None,
         config: RebalanceConfig | None = None,
         cost_model: CostModel | str | None = None,
         gpu_payloads: bool = True,
@@ -679,6 +683,7 @@ class FSDPVLMBalanceStrategy(_RebalancingProperties, ModelParallelStrategy):
             tolerance=tolerance,
             exchange_timeout_s=exchange_timeout_s,
             encoder=encoder,
+            options=options,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,

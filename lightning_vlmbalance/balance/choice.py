@@ -194,6 +194,24 @@ class StepChoice:
     pack_plan: RebalancePlan | None = None
     routing: ImageRouting | None = None
     exposed_ms: float = 0.0  # of the chosen option: its off-path work the step does not hide
+    # every priced option's plans and exposed time (what :meth:`taking` switches to)
+    plans: dict[str, tuple[RebalancePlan | None, ImageRouting | None, float]] = field(
+        default_factory=dict, repr=False
+    )
+
+    def taking(self, option: str) -> StepChoice:
+        """This choice with ``option`` taken instead (one of those priced): the choice every
+        rank agreed on, when it is not this rank's own."""
+        pack_plan, routing, exposed = self.plans[option]
+        return StepChoice(
+            option=option,
+            step_ms=self.prices[option],
+            prices=self.prices,
+            pack_plan=pack_plan,
+            routing=routing,
+            exposed_ms=exposed,
+            plans=self.plans,
+        )
 
 
 def met_step_ms(
@@ -343,7 +361,8 @@ def choose_step(
         threaded: whether the plan and transfers run in a background thread.
         transfer: what moving bytes costs (default :class:`Transfer`).
         tolerance: the pack planner's tolerance.
-        plan_ms: planning time off the step path, per option.
+        plan_ms: planning time off the step path, per option (every rank must give the same
+            number: the choice depends on it; the runtime gives 0, the simulator a constant).
         overhead_ms: time every step takes beyond the ranks' compute (the optimizer step,
             the gradient reduction): added to every price alike.
 
@@ -417,15 +436,23 @@ def choose_step(
             moved_packs_ms=transfer.exchange_ms(moves, inputs.pack_bytes, W),
         )
         routings["both"] = routing
+    # the choice is made on the prices alone (the overhead, this rank's own estimate, only
+    # shifts every price alike for the report)
     option = min(prices, key=lambda o: (prices[o], OPTIONS.index(o)))
+    plans = {
+        o: (
+            both_plan if o == "both" else pack_plan if o == "packs" else None,
+            routings.get(o),
+            float(exposed[o]),
+        )
+        for o in prices
+    }
     return StepChoice(
         option=option,
         step_ms=prices[option] + overhead_ms,
         prices={o: p + overhead_ms for o, p in prices.items()},
-        pack_plan=both_plan if option == "both" else pack_plan if option == "packs" else None,
-        routing=routings.get(option),
-        exposed_ms=float(exposed[option]),
-    )
+        plans=plans,
+    ).taking(option)
 
 
 def choice_stats(choice: StepChoice) -> Mapping[str, float]:
@@ -445,6 +472,10 @@ class StepOverhead:
     the last ``window`` timed steps of the measured step less the price of the option taken
     (both this rank's). The former adds it to every option's price alike, so it never changes
     a choice; it makes ``balance/predicted_step_ms`` a prediction of the measured step.
+
+    Never below 0: where the cost model prices the compute above the measured step (the
+    defaults describe a large GPU model), the prediction is the compute's price until a refit
+    is adopted.
 
     A ``TimedStepsListener`` of the :class:`~lightning_vlmbalance.StragglerMonitor` (the
     strategy subscribes it in ``mode="auto"``); without a monitor it stays 0. When online
@@ -508,5 +539,7 @@ class StepOverhead:
         return len(self._residuals)
 
     def _update(self) -> None:
+        # time beyond the compute is never negative: a model that prices the compute too high
+        # is calibration's to fix (a negative "overhead" made predicted steps negative)
         if self._residuals:
-            self.overhead_ms = float(np.median(self._residuals))
+            self.overhead_ms = max(0.0, float(np.median(self._residuals)))

@@ -82,6 +82,11 @@ class RebalanceConfig:
                 raise ValueError(
                     f"`RebalanceConfig(options={self.options!r})`: expected some of {OPTIONS}"
                 )
+            if self.mode != "auto":
+                raise ValueError(
+                    f"`RebalanceConfig(mode={self.mode!r}, options={self.options!r})`: options"
+                    " are what mode='auto' chooses among; the other modes take no options"
+                )
             if not self.encoder and any(o in ("images", "both") for o in options):
                 raise ValueError(
                     f"`RebalanceConfig(options={self.options!r})`: routing images needs"

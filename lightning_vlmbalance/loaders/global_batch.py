@@ -225,7 +225,6 @@ class GlobalBatchFormer:
         self.meets_every_micro_batch = bool(meets_every_micro_batch)
         self.transfer = transfer if transfer is not None else Transfer()
         self.overhead = overhead
-        self._plan_ms = 0.0  # the last auto decision's planning time (what the thread spends)
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -355,8 +354,12 @@ class GlobalBatchFormer:
         stats: dict,
         step: int,
     ) -> list[Any]:
-        """``mode="auto"``: prices every option for this global batch (the same numbers on
-        every rank, so the same choice) and carries out the cheapest."""
+        """``mode="auto"``: prices every option for this global batch and carries out the
+        cheapest. Every rank prices the same gathered integers with the same model (no
+        rank-local number enters a price: the planning time is left out, as it differs by
+        rank), and rank 0's option is the one taken everywhere (one small broadcast in the
+        thread): a rank that priced differently would otherwise wait in another option's
+        exchange until ``exchange_timeout_s``."""
         start = time.perf_counter()
         options = self.options
         routed = any(o in options for o in ("images", "both"))
@@ -373,14 +376,16 @@ class GlobalBatchFormer:
             threaded=self.config.mode == "auto",
             transfer=self.transfer,
             tolerance=self.config.tolerance,
-            plan_ms=self._plan_ms,
             overhead_ms=overhead_ms,
         )
+        agreed = self._agree(OPTIONS.index(choice.option))
+        if agreed != choice.option:  # rank 0's, whose plans every rank made alike
+            stats["choice_overruled"] = 1.0
+            choice = choice.taking(agreed)
         if self.overhead is not None:  # the price of the compute alone, for the next estimate
             self.overhead.priced(step, choice.step_ms - overhead_ms)
-        self._plan_ms = (time.perf_counter() - start) * 1e3
         stats.update(choice_stats(choice))
-        stats["choice_plan_ms"] = self._plan_ms
+        stats["choice_plan_ms"] = (time.perf_counter() - start) * 1e3
         order = list(batches)
         if choice.pack_plan is not None:
             order = self._move(batches, choice.pack_plan, stats)
@@ -392,6 +397,18 @@ class GlobalBatchFormer:
             more["exchange_ms"] += stats.get("exchange_ms", 0.0)
             stats.update(more)
         return order
+
+    def _agree(self, option: int) -> str:
+        """Rank 0's option (an index into :data:`OPTIONS`), broadcast on ``group``."""
+        index = torch.tensor([option], dtype=torch.int64, device=self.gather_device)
+        try:
+            dist.broadcast(index, group=self.group, group_src=0)
+        except RuntimeError as err:  # a dead or stuck peer (the group has the deadline)
+            raise ExchangeError(
+                f"rank {self.rank}: agreeing on the option of a global batch failed (a peer"
+                f" died or stopped?): {err}"
+            ) from err
+        return OPTIONS[int(index.item())]
 
     def _balance_encoder(
         self, batches: list[Any], features: np.ndarray, cost_model: CostModel

@@ -304,6 +304,12 @@ def _strategy(args: argparse.Namespace) -> Any:
         exchange_timeout_s=timeout,
         encoder=args.encoder,
         options=tuple(args.options.split(",")) if args.options else None,
+        # the default Calibration refits every 50 steps; these fits are short
+        **(
+            {"calibration": vb.Calibration(every_n_steps=args.calibrate_every, min_records=16)}
+            if args.calibrate_every
+            else {}
+        ),
     )
     if args.strategy == "vlmbalance":
         return vb.VLMBalanceStrategy(config=config, find_unused_parameters=args.find_unused)
@@ -382,6 +388,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="overlap")
     p.add_argument("--options", default=None, help='mode="auto": the options, comma-separated')
     p.add_argument("--monitor", action="store_true", help="a StragglerMonitor")
+    p.add_argument(
+        "--calibrate-every", type=int, default=0, help="online refits every N steps (0: default)"
+    )
     p.add_argument("--global-tokens", action="store_true")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--accumulate", type=int, default=4)

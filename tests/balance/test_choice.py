@@ -190,10 +190,49 @@ def test_a_new_cost_model_forgets_the_old_ones_error() -> None:
     overhead = StepOverhead()
     for n in range(4):
         overhead.priced(n, 100.0)
-    overhead.on_timed_steps([SimpleNamespace(global_step=n + 1, step_ms=60.0) for n in (0, 1)], 2)
-    assert overhead.overhead_ms == -40.0  # the old model over-predicted
+    overhead.on_timed_steps([SimpleNamespace(global_step=n + 1, step_ms=140.0) for n in (0, 1)], 2)
+    assert overhead.overhead_ms == 40.0  # the old model's error
     overhead.reset(3)  # a refit prices step 3 on
     overhead.on_timed_steps([SimpleNamespace(global_step=3, step_ms=500.0)], 3)  # step 2: old
-    assert overhead.overhead_ms == -40.0 and overhead.timed == 0
+    assert overhead.overhead_ms == 40.0 and overhead.timed == 0
     overhead.on_timed_steps([SimpleNamespace(global_step=4, step_ms=130.0)], 4)
     assert overhead.overhead_ms == 30.0 and overhead.timed == 1
+
+
+def test_the_overhead_is_never_negative() -> None:
+    """A cost model that prices the compute above the measured step (the defaults on a CPU)
+    gives no negative overhead: the predicted step is then the compute's price."""
+    from types import SimpleNamespace
+
+    from lightning_vlmbalance.balance.choice import StepOverhead
+
+    overhead = StepOverhead()
+    overhead.priced(0, 900.0)
+    overhead.on_timed_steps([SimpleNamespace(global_step=1, step_ms=40.0)], 1)
+    assert overhead.overhead_ms == 0.0 and overhead.timed == 1
+
+
+def test_a_choice_can_take_any_option_it_priced() -> None:
+    """Rank 0's option is taken everywhere: each rank made every option's plan alike."""
+    inputs = _inputs([9.0, 9.0, 1.0, 1.0], [[4.0, 4.0], [], [], []])
+    choice = choose_step(
+        inputs, objective="step", meets_every_micro_batch=False, threaded=True, transfer=FREE
+    )
+    for option in OPTIONS:
+        other = choice.taking(option)
+        assert other.option == option and other.step_ms == choice.prices[option]
+        assert (other.pack_plan is not None) == (option in ("packs", "both"))
+        assert (other.routing is not None) == (option in ("images", "both"))
+
+
+def test_options_belong_to_auto_and_the_strategies_take_them() -> None:
+    import lightning_vlmbalance as vb
+
+    with pytest.raises(ValueError, match=r"mode='overlap', options=\('placed',\)"):
+        RebalanceConfig(mode="overlap", options=("placed",))
+    strategy = vb.VLMBalanceStrategy(encoder=True, options=("placed", "images"))
+    assert strategy.rebalancer.config.options == ("placed", "images")
+    fsdp = vb.FSDPVLMBalanceStrategy(options=("packs",))
+    assert fsdp.rebalancer.config.options == ("packs",)
+    with pytest.raises(ValueError, match="expected some of"):
+        vb.VLMBalanceStrategy(options=("bogus",))
