@@ -66,7 +66,7 @@ from typing_extensions import override
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.calibration import OnlineCalibrator
 from lightning_vlmbalance.balance.calibration_listener import CalibrationListener
-from lightning_vlmbalance.balance.choice import StepOverhead
+from lightning_vlmbalance.balance.choice import StepScale
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.encoder import ReturnChannel
@@ -149,8 +149,8 @@ class Rebalancer:
         calibration = self.config.calibration
         self.calibrator = OnlineCalibrator(self.models, calibration) if calibration else None
         self.calibration = CalibrationListener(self) if self.calibrator is not None else None
-        # mode="auto": what a step takes beyond its priced compute, from the monitor's timings
-        self.overhead = StepOverhead() if self.config.mode == "auto" else None
+        # mode="auto": how the measured step relates to its price, from the monitor's timings
+        self.scale = StepScale() if self.config.mode == "auto" else None
         self._told_unheard = False
         self._wrapped_at_step = 0
 
@@ -194,8 +194,8 @@ class Rebalancer:
         self.returns.timers.clear()  # a timer of an earlier fit's monitor times no more
         if monitors:
             self.returns.time_with(monitors[0].timer)
-            if self.overhead is not None:
-                monitors[0].subscribe(self.overhead)
+            if self.scale is not None:
+                monitors[0].subscribe(self.scale)
         if self.calibration is None:
             return
         if not monitors:
@@ -296,7 +296,7 @@ class Rebalancer:
             encoder_group=self.groups.encoder,
             returns=self.returns,
             meets_every_micro_batch=step.meets_every_micro_batch,
-            overhead=self.overhead,
+            scale=self.scale,
         )
         return self.loader
 
@@ -362,8 +362,8 @@ class Rebalancer:
             # the starting model)
             from_batch = 0
         self.models.adopt(model, self._wrapped_at_step + from_batch)
-        if self.overhead is not None:  # its error so far was the old model's
-            self.overhead.reset(self._wrapped_at_step + from_batch)
+        if self.scale is not None:  # its ratios so far were the old model's
+            self.scale.reset(self._wrapped_at_step + from_batch)
         return from_batch
 
     def _packed_loader(self) -> PackedDataLoader | None:

@@ -48,7 +48,7 @@ __all__ = [
     "OPTIONS",
     "StepChoice",
     "StepInputs",
-    "StepOverhead",
+    "StepScale",
     "Transfer",
     "choose_step",
     "met_step_ms",
@@ -455,50 +455,41 @@ def choose_step(
     ).taking(option)
 
 
-def choice_stats(choice: StepChoice) -> Mapping[str, float]:
+def choice_stats(choice: StepChoice, scale: float = 1.0) -> Mapping[str, float]:
     """The ``balance/*`` statistics of a choice: ``choice`` (its index in :data:`OPTIONS`),
-    ``predicted_step_ms``, and each priced option's ``predicted_<option>_ms``."""
+    ``predicted_step_ms``, and each priced option's ``predicted_<option>_ms``, every price
+    times ``scale`` (:class:`StepScale`'s factor)."""
     stats = {
         "choice": float(OPTIONS.index(choice.option)),
-        "predicted_step_ms": float(choice.step_ms),
+        "predicted_step_ms": float(choice.step_ms) * scale,
     }
-    stats.update({f"predicted_{o}_ms": float(p) for o, p in choice.prices.items()})
+    stats.update({f"predicted_{o}_ms": float(p) * scale for o, p in choice.prices.items()})
     return stats
 
 
-class StepOverhead:
-    """What a step takes beyond the priced compute, learned from the measured steps: the
-    optimizer step, the gradient reduction, FSDP's gathers, the loop itself. The median over
-    the last ``window`` timed steps of the measured step less the price of the option taken
-    (both this rank's). The former adds it to every option's price alike, so it never changes
-    a choice; it makes ``balance/predicted_step_ms`` a prediction of the measured step.
-
-    Never below 0: where the cost model prices the compute above the measured step (the
-    defaults describe a large GPU model), the prediction is the compute's price until a refit
-    is adopted.
+class StepScale:
+    """How the measured step relates to the price of the option taken, learned from the
+    measured steps: the median over the last ``window`` timed steps of measured over priced
+    (both this rank's). The price is the ranks' compute as they meet; the step also holds the
+    optimizer step, the gradient reduction, FSDP's gathers, and whatever the cost model gets
+    wrong in scale (its defaults describe a large GPU model). ``balance/predicted_step_ms`` is
+    the price times this factor; the choice is made on the prices alone, so the factor (a
+    positive number, the same for every option) never changes it.
 
     A ``TimedStepsListener`` of the :class:`~lightning_vlmbalance.StragglerMonitor` (the
-    strategy subscribes it in ``mode="auto"``); without a monitor it stays 0. When online
-    calibration adopts a new cost model the strategy calls :meth:`reset`.
+    strategy subscribes it in ``mode="auto"``); without a monitor the factor stays 1. When
+    online calibration adopts a new cost model the strategy calls :meth:`reset`: the ratios
+    measured against the old model's prices are forgotten.
     """
 
-    state_key = "step_overhead"
+    state_key = "step_scale"
 
     def __init__(self, window: int = 16) -> None:
-        self._residuals: deque[float] = deque(maxlen=int(window))
-        self._prices: dict[int, float] = {}  # optimizer step -> its compute price, until timed
+        self._ratios: deque[float] = deque(maxlen=int(window))
+        self._prices: dict[int, float] = {}  # optimizer step -> its price, until timed
         self._lock = threading.Lock()
         self._from = 0  # the first optimizer step priced with the cost model in use
-        self.overhead_ms = 0.0
-
-    def reset(self, from_step: int) -> None:
-        """A new cost model prices the global batches from optimizer step ``from_step`` on:
-        the measured steps priced with the old one say nothing of the new one's error and are
-        forgotten (the estimate so far is kept until a step priced with the new one is timed)."""
-        with self._lock:
-            self._from = int(from_step)
-            self._prices = {k: v for k, v in self._prices.items() if k >= self._from}
-            self._residuals.clear()
+        self.factor = 1.0
 
     def priced(self, step: int, price_ms: float) -> None:
         """The former priced the global batch that optimizer step ``step`` trains (from its
@@ -508,11 +499,20 @@ class StepOverhead:
             if len(self._prices) > 64:  # never timed (no monitor): forget the oldest
                 del self._prices[min(self._prices)]
 
+    def reset(self, from_step: int) -> None:
+        """A new cost model prices the global batches from optimizer step ``from_step`` on:
+        the ratios measured against the old one's prices are forgotten (the factor so far is
+        kept until a step priced with the new one is timed)."""
+        with self._lock:
+            self._from = int(from_step)
+            self._prices = {k: v for k, v in self._prices.items() if k >= self._from}
+            self._ratios.clear()
+
     # -- the listener ------------------------------------------------------------------------
     def start(self, world: Any, global_step: int, state: Any = None) -> None:
         with self._lock:
             if state is not None:
-                self._residuals.extend(float(x) for x in state.get("residuals", []))
+                self._ratios.extend(float(x) for x in state.get("ratios", []))
             self._update()
 
     def on_timed_steps(self, steps: list[Any], global_step: int) -> dict[str, float]:
@@ -520,9 +520,10 @@ class StepOverhead:
             for step in steps:
                 # a timed step carries the global step after its optimizer step: the batch
                 # priced for optimizer step N is timed as N + 1
-                price = self._prices.pop(int(step.global_step) - 1, None)
-                if price is not None and int(step.global_step) - 1 >= self._from:
-                    self._residuals.append(float(step.step_ms) - price)
+                n = int(step.global_step) - 1
+                price = self._prices.pop(n, None)
+                if price is not None and price > 0 and n >= self._from:
+                    self._ratios.append(float(step.step_ms) / price)
             self._update()
         return {}
 
@@ -531,15 +532,13 @@ class StepOverhead:
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
-            return {"residuals": list(self._residuals)}
+            return {"ratios": list(self._ratios)}
 
     @property
     def timed(self) -> int:
-        """How many measured steps the estimate is over (at most ``window``)."""
-        return len(self._residuals)
+        """How many measured steps the factor is over (at most ``window``)."""
+        return len(self._ratios)
 
     def _update(self) -> None:
-        # time beyond the compute is never negative: a model that prices the compute too high
-        # is calibration's to fix (a negative "overhead" made predicted steps negative)
-        if self._residuals:
-            self.overhead_ms = max(0.0, float(np.median(self._residuals)))
+        if self._ratios:
+            self.factor = float(np.median(self._ratios))

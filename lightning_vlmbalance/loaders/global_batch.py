@@ -40,7 +40,7 @@ from lightning_vlmbalance.balance.choice import (
     OPTIONS,
     PACK_OPTIONS,
     StepInputs,
-    StepOverhead,
+    StepScale,
     Transfer,
     choice_stats,
     choose_step,
@@ -173,9 +173,9 @@ class GlobalBatchFormer:
             ``"auto"`` prices a step; default: the config's objective is ``"microstep"``).
         transfer: what moving bytes costs, for ``"auto"``'s prices (default
             :class:`~lightning_vlmbalance.balance.choice.Transfer`).
-        overhead: what a step takes beyond the priced compute, learned from the measured
-            steps (:class:`~lightning_vlmbalance.balance.choice.StepOverhead`; the strategy's),
-            added to ``"auto"``'s predicted step; told each global batch's price.
+        scale: how the measured step relates to ``"auto"``'s price, learned from the measured
+            steps (:class:`~lightning_vlmbalance.balance.choice.StepScale`; the strategy's):
+            the predicted step is the price times its factor; told each global batch's price.
     """
 
     def __init__(
@@ -198,7 +198,7 @@ class GlobalBatchFormer:
         returns: ReturnChannel | None = None,
         meets_every_micro_batch: bool | None = None,
         transfer: Transfer | None = None,
-        overhead: StepOverhead | None = None,
+        scale: StepScale | None = None,
     ) -> None:
         self.micro_steps = int(micro_steps)
         self.num_replicas = int(num_replicas)
@@ -224,7 +224,7 @@ class GlobalBatchFormer:
             meets_every_micro_batch = self.config.objective == "microstep"
         self.meets_every_micro_batch = bool(meets_every_micro_batch)
         self.transfer = transfer if transfer is not None else Transfer()
-        self.overhead = overhead
+        self.scale = scale
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -367,7 +367,6 @@ class GlobalBatchFormer:
         sizes = self._gather_image_sizes(batches, features) if routed and has_images else None
         if sizes is None:
             options = tuple(o for o in options if o in PACK_OPTIONS) or ("placed",)
-        overhead_ms = self.overhead.overhead_ms if self.overhead is not None else 0.0
         choice = choose_step(
             StepInputs.of_features(features, sizes, cost_model, self.num_replicas, self.transfer),
             options=options,
@@ -376,15 +375,14 @@ class GlobalBatchFormer:
             threaded=self.config.mode == "auto",
             transfer=self.transfer,
             tolerance=self.config.tolerance,
-            overhead_ms=overhead_ms,
         )
         agreed = self._agree(OPTIONS.index(choice.option))
         if agreed != choice.option:  # rank 0's, whose plans every rank made alike
             stats["choice_overruled"] = 1.0
             choice = choice.taking(agreed)
-        if self.overhead is not None:  # the price of the compute alone, for the next estimate
-            self.overhead.priced(step, choice.step_ms - overhead_ms)
-        stats.update(choice_stats(choice))
+        if self.scale is not None:  # what the measured step will be compared with
+            self.scale.priced(step, choice.step_ms)
+        stats.update(choice_stats(choice, self.scale.factor if self.scale is not None else 1.0))
         stats["choice_plan_ms"] = (time.perf_counter() - start) * 1e3
         order = list(batches)
         if choice.pack_plan is not None:

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vlmbalance._moved import DP_RANKS, renamed_keyword
-from lightning_vlmbalance.balance.choice import StepOverhead
+from lightning_vlmbalance.balance.choice import StepScale
 from lightning_vlmbalance.balance.config import MODES, RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.encoder import ReturnChannel
@@ -279,7 +279,7 @@ class RebalancingLoader(_LooksLikeItsLoader):
         returns: the :class:`~lightning_vlmbalance.balance.encoder.ReturnChannel` the routes
             carry (the strategy's: its group, its step timers, its micro-batch's returns);
             default one on ``encoder_group``.
-        meets_every_micro_batch, overhead: ``mode="auto"``'s pricing (see
+        meets_every_micro_batch, scale: ``mode="auto"``'s pricing (see
             :class:`~lightning_vlmbalance.loaders.global_batch.GlobalBatchFormer`).
 
     The loader is resumable (``state_dict`` / ``load_state_dict``, which Lightning checkpoints)
@@ -312,7 +312,7 @@ class RebalancingLoader(_LooksLikeItsLoader):
         encoder_group: dist.ProcessGroup | None = None,
         returns: ReturnChannel | None = None,
         meets_every_micro_batch: bool | None = None,
-        overhead: StepOverhead | None = None,
+        scale: StepScale | None = None,
         **options: Any,
     ) -> None:
         if micro_steps < 1:
@@ -357,7 +357,7 @@ class RebalancingLoader(_LooksLikeItsLoader):
             encoder_group=encoder_group,
             returns=returns,
             meets_every_micro_batch=meets_every_micro_batch,
-            overhead=overhead,
+            scale=scale,
         )
         self.epoch_batches = epoch_batches
         self.epoch_position = epoch_position

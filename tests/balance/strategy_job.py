@@ -270,7 +270,7 @@ class Job(RecordingVLM):
                     "weights": self.weights,
                     "dtensor_params": _dtensor_params(self),
                     "objective": getattr(strategy, "resolved_objective", None),
-                    "step_overhead": _overhead(strategy),
+                    "step_scale": _scale(strategy),
                 }
             )
         )
@@ -291,10 +291,10 @@ def _dtensor_params(module: torch.nn.Module) -> int:
     return sum(isinstance(p, DTensor) for p in module.parameters())
 
 
-def _overhead(strategy: Any) -> dict[str, float] | None:
-    """mode="auto": the step overhead learned from the monitor's timings, and over how many."""
-    overhead = getattr(getattr(strategy, "rebalancer", None), "overhead", None)
-    return None if overhead is None else {"ms": overhead.overhead_ms, "timed": overhead.timed}
+def _scale(strategy: Any) -> dict[str, float] | None:
+    """mode="auto": measured step over price, learned from the monitor, and over how many."""
+    scale = getattr(getattr(strategy, "rebalancer", None), "scale", None)
+    return None if scale is None else {"factor": scale.factor, "timed": scale.timed}
 
 
 def _strategy(args: argparse.Namespace) -> Any:

@@ -157,59 +157,46 @@ def test_unknown_options_and_routes_without_the_encoder_are_refused_by_name() ->
     assert RebalanceConfig().mode == "auto"
 
 
-def test_the_step_overhead_is_the_median_of_measured_less_priced() -> None:
+def test_the_step_scale_is_the_median_of_measured_over_priced() -> None:
     """The former prices the batch of optimizer step N; the monitor times it as N + 1 (the
     global step after its optimizer step). Unmatched steps are ignored; the state restores."""
     from types import SimpleNamespace
 
-    from lightning_vlmbalance.balance.choice import StepOverhead
+    from lightning_vlmbalance.balance.choice import StepScale
 
-    overhead = StepOverhead(window=3)
-    for n, price in enumerate([100.0, 110.0, 120.0, 130.0]):
-        overhead.priced(n, price)
-    timed = [
-        SimpleNamespace(global_step=n + 1, step_ms=p + extra)
-        for n, (p, extra) in enumerate([(100.0, 5.0), (110.0, 7.0), (120.0, 6.0), (130.0, 50.0)])
-    ]
-    overhead.on_timed_steps([*timed[:3], SimpleNamespace(global_step=99, step_ms=1.0)], 3)
-    assert overhead.overhead_ms == 6.0 and overhead.timed == 3
-    overhead.on_timed_steps(timed[3:], 4)  # the window keeps the last 3: 7, 6, 50
-    assert overhead.overhead_ms == 7.0
-    again = StepOverhead(window=3)
-    again.start(None, 4, overhead.state_dict())
-    assert again.overhead_ms == 7.0
-
-
-def test_a_new_cost_model_forgets_the_old_ones_error() -> None:
-    """After ``reset(from_step)`` only steps priced from ``from_step`` on count; the estimate
-    so far stands until the first of them is timed."""
-    from types import SimpleNamespace
-
-    from lightning_vlmbalance.balance.choice import StepOverhead
-
-    overhead = StepOverhead()
+    scale = StepScale(window=3)
     for n in range(4):
-        overhead.priced(n, 100.0)
-    overhead.on_timed_steps([SimpleNamespace(global_step=n + 1, step_ms=140.0) for n in (0, 1)], 2)
-    assert overhead.overhead_ms == 40.0  # the old model's error
-    overhead.reset(3)  # a refit prices step 3 on
-    overhead.on_timed_steps([SimpleNamespace(global_step=3, step_ms=500.0)], 3)  # step 2: old
-    assert overhead.overhead_ms == 40.0 and overhead.timed == 0
-    overhead.on_timed_steps([SimpleNamespace(global_step=4, step_ms=130.0)], 4)
-    assert overhead.overhead_ms == 30.0 and overhead.timed == 1
+        scale.priced(n, 100.0)
+    measured = [110.0, 130.0, 120.0, 500.0]
+    timed = [SimpleNamespace(global_step=n + 1, step_ms=ms) for n, ms in enumerate(measured)]
+    scale.on_timed_steps([*timed[:3], SimpleNamespace(global_step=99, step_ms=1.0)], 3)
+    assert scale.factor == pytest.approx(1.2) and scale.timed == 3
+    scale.on_timed_steps(timed[3:], 4)  # the window keeps the last 3: 1.3, 1.2, 5.0
+    assert scale.factor == pytest.approx(1.3)
+    again = StepScale(window=3)
+    again.start(None, 4, scale.state_dict())
+    assert again.factor == pytest.approx(1.3)
 
 
-def test_the_overhead_is_never_negative() -> None:
-    """A cost model that prices the compute above the measured step (the defaults on a CPU)
-    gives no negative overhead: the predicted step is then the compute's price."""
+def test_a_new_cost_model_forgets_the_old_ones_ratios() -> None:
+    """After ``reset(from_step)`` only steps priced from ``from_step`` on count; the factor so
+    far stands until the first of them is timed. A CPU step priced by the GPU-scale defaults
+    gives a factor below 1, never a negative prediction."""
     from types import SimpleNamespace
 
-    from lightning_vlmbalance.balance.choice import StepOverhead
+    from lightning_vlmbalance.balance.choice import StepScale
 
-    overhead = StepOverhead()
-    overhead.priced(0, 900.0)
-    overhead.on_timed_steps([SimpleNamespace(global_step=1, step_ms=40.0)], 1)
-    assert overhead.overhead_ms == 0.0 and overhead.timed == 1
+    scale = StepScale()
+    for n in range(4):
+        scale.priced(n, 900.0)
+    scale.on_timed_steps([SimpleNamespace(global_step=n + 1, step_ms=45.0) for n in (0, 1)], 2)
+    assert scale.factor == pytest.approx(0.05)
+    scale.reset(3)  # a refit prices step 3 on
+    scale.on_timed_steps([SimpleNamespace(global_step=3, step_ms=500.0)], 3)  # step 2: old
+    assert scale.factor == pytest.approx(0.05) and scale.timed == 0
+    scale.priced(3, 40.0)
+    scale.on_timed_steps([SimpleNamespace(global_step=4, step_ms=44.0)], 4)
+    assert scale.factor == pytest.approx(1.1) and scale.timed == 1
 
 
 def test_a_choice_can_take_any_option_it_priced() -> None:

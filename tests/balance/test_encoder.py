@@ -456,11 +456,12 @@ def test_auto_takes_one_option_per_global_batch_on_every_rank_and_keeps_the_para
         assert chosen[0] == chosen[1] and chosen[0], (run, chosen)
         assert all(s["predicted_step_ms"] > 0 for s in got[0]["stats"])
         assert {"balance/choice", "balance/predicted_step_ms"} <= set(got[0]["logged"])
-    # the monitor's measured steps teach the overhead beyond the priced compute (auto_ga3 has
-    # a StragglerMonitor): every step but the last few is matched with its price
+    # the monitor's measured steps teach how the step relates to its price (auto_ga3 has a
+    # StragglerMonitor): every step but the last few is matched with its price; the default
+    # model prices a large GPU model, far above these CPU steps
     for r in (0, 1):
-        overhead = fit_result(fits["root"] / "auto_ga3")[r]["step_overhead"]
-        assert overhead["timed"] >= 2 and overhead["ms"] >= 0.0, overhead
+        scale = fit_result(fits["root"] / "auto_ga3")[r]["step_scale"]
+        assert scale["timed"] >= 2 and 0.0 < scale["factor"] < 1.0, scale
     both = fit_result(fits["root"] / "auto_both_ga3")[0]["stats"]
     assert {OPTIONS[int(s["choice"])] for s in both} == {"both"}
     assert sum(s["moved_packs"] for s in both) > 0 and sum(s["encoder_moved_images"] for s in both)
@@ -481,9 +482,9 @@ def test_auto_after_refits_takes_the_same_option_on_every_rank(fits) -> None:
         assert len(stats) == 30 and not any(s.get("choice_overruled") for s in stats)
     chosen = [[OPTIONS[int(s["choice"])] for s in got[r]["stats"]] for r in (0, 1)]
     assert chosen[0] == chosen[1]
-    # after the refits the model prices the compute alone: the step takes more (a learned,
-    # positive overhead, kept across the last refit until a step it prices is timed)
-    assert got[0]["step_overhead"]["ms"] > 0.0
+    # after the refits the model prices this machine's compute: the step takes more (the
+    # optimizer step and the reduction weigh on this tiny model); kept across the last refit
+    assert got[0]["step_scale"]["factor"] > 0.9, got[0]["step_scale"]
 
 
 @pytest.mark.jobs("overlap_ga3_batch_preprocess")
