@@ -272,7 +272,7 @@ class Rebalancer:
         self.source_balanced = bool(getattr(sampler, "balanced", False))
         if self.source_balanced:
             self._one_model_with(sampler)
-        config = self._config_for(self.source_balanced)
+        config = _training_config(self.config, self.source_balanced)
         if self.loader is not None:  # a reload: stop the old loader's pass
             self.loader.close()
         self._logged_batches = 0
@@ -299,16 +299,6 @@ class Rebalancer:
             scale=self.scale,
         )
         return self.loader
-
-    def _config_for(self, source_balanced: bool) -> RebalanceConfig:
-        """The config the training loader forms its global batches with: balanced at the
-        source, the packs stay where the sampler placed them (``"auto"`` may still route their
-        images; every other mode moves nothing)."""
-        if not source_balanced:
-            return self.config
-        if self.config.mode == "auto" and self.config.encoder:
-            return dataclasses.replace(self.config, options=("placed", "images"))
-        return dataclasses.replace(self.config, mode="off", options=None)
 
     def _one_model_with(self, sampler: Any) -> None:
         """A sampler that balances at the source plans with the model in use: before any refit
@@ -381,23 +371,13 @@ class Rebalancer:
         loader = self.loader
         if loader is None or loader.global_batches <= self._logged_batches or not loader.stats:
             return
-        stats = loader.stats[-1]
         self._logged_batches = loader.global_batches
-        module = self.strategy.lightning_module
-        for key in _BALANCE_METRICS:
-            module.log(
-                f"balance/{key}", float(stats.get(key, 0.0)), rank_zero_only=True, batch_size=1
-            )
-        if self.source_balanced:  # which path ran (absent: the pack exchange)
-            module.log("balance/source_balanced", 1.0, rank_zero_only=True, batch_size=1)
-        if self.config.encoder:
-            for key in _ENCODER_METRICS:
-                module.log(
-                    f"balance/{key}", float(stats.get(key, 0.0)), rank_zero_only=True, batch_size=1
-                )
-        for key in _AUTO_METRICS:
-            if key in stats:
-                module.log(f"balance/{key}", float(stats[key]), rank_zero_only=True, batch_size=1)
+        _log_balance(
+            self.strategy.lightning_module,
+            loader.stats[-1],
+            source_balanced=self.source_balanced,
+            encoder=self.config.encoder,
+        )
 
     def teardown(self) -> None:
         self.preemption.release()
@@ -408,6 +388,34 @@ class Rebalancer:
         self.loader = None
         self.groups.destroy()
         self.returns = ReturnChannel()
+
+
+def _training_config(config: RebalanceConfig, source_balanced: bool) -> RebalanceConfig:
+    """The config the training loader forms its global batches with: balanced at the source,
+    the packs stay where the sampler placed them (``"auto"`` may still route their images;
+    every other mode moves nothing)."""
+    if not source_balanced:
+        return config
+    if config.mode == "auto" and config.encoder:
+        return dataclasses.replace(config, options=("placed", "images"))
+    return dataclasses.replace(config, mode="off", options=None)
+
+
+def _log_balance(module: Any, stats: dict, *, source_balanced: bool, encoder: bool) -> None:
+    """Logs the ``balance/*`` metrics of one global batch's ``stats`` from rank 0."""
+
+    def log(key: str, value: float) -> None:
+        module.log(f"balance/{key}", float(value), rank_zero_only=True, batch_size=1)
+
+    for key in _BALANCE_METRICS:
+        log(key, stats.get(key, 0.0))
+    if source_balanced:  # which path ran (absent: the pack exchange)
+        log("source_balanced", 1.0)
+    for key in _ENCODER_METRICS if encoder else ():
+        log(key, stats.get(key, 0.0))
+    for key in _AUTO_METRICS:
+        if key in stats:
+            log(key, stats[key])
 
 
 def _config_from(

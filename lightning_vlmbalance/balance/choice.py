@@ -336,6 +336,55 @@ def _routed(inputs: StepInputs, *, reorder: bool) -> ImageRouting:
     )
 
 
+def _priced_images(
+    inputs: StepInputs, transfer: Transfer, meets: bool, threaded: bool, plan_ms: float
+) -> tuple[tuple[float, float], ImageRouting]:
+    """``images``: the cheaper of routing as the packs come and with each rank's own packs
+    ordered over its micro-steps for even vision work (with more than one micro-step)."""
+    best = None
+    for reorder in (False, True) if inputs.micro_steps > 1 else (False,):
+        routing = _routed(inputs, reorder=reorder)
+        price = price_routing(
+            routing, transfer, meets_every_micro_batch=meets, threaded=threaded, plan_ms=plan_ms
+        )
+        if best is None or price[0] < best[0][0]:
+            best = (price, routing)
+    assert best is not None
+    return best
+
+
+def _priced_both(
+    inputs: StepInputs,
+    transfer: Transfer,
+    meets: bool,
+    threaded: bool,
+    plan_ms: float,
+    tolerance: float,
+) -> tuple[tuple[float, float], ImageRouting, RebalancePlan]:
+    """``both``: packs moved to balance every micro-step's language model, then their images
+    routed (the routing over the packs as moved)."""
+    W, G = inputs.num_replicas, inputs.micro_steps
+    plan = plan_rebalance(
+        np.rint(inputs.llm_ms * 1000.0).astype(np.int64),
+        np.repeat(np.arange(W, dtype=np.int64), G),
+        W,
+        G,
+        objective="microstep",
+        tolerance=tolerance,
+    )
+    routing = _routed(inputs.taken(plan.assignment[:, :, 0].reshape(-1)), reorder=False)
+    moves = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 3)
+    price = price_routing(
+        routing,
+        transfer,
+        meets_every_micro_batch=meets,
+        threaded=threaded,
+        plan_ms=plan_ms,
+        moved_packs_ms=transfer.exchange_ms(moves, inputs.pack_bytes, W),
+    )
+    return price, routing, plan
+
+
 def choose_step(
     inputs: StepInputs,
     *,
@@ -401,41 +450,13 @@ def choose_step(
             plan_ms=plan_ms,
         )
     if W > 1 and "images" in options:
-        best = None
-        for reorder in (False, True) if G > 1 else (False,):
-            routing = _routed(inputs, reorder=reorder)
-            price = price_routing(
-                routing,
-                transfer,
-                meets_every_micro_batch=meets,
-                threaded=threaded,
-                plan_ms=plan_ms,
-            )
-            if best is None or price[0] < best[0][0]:
-                best = (price, routing)
-        assert best is not None
-        (prices["images"], exposed["images"]), routings["images"] = best
+        (prices["images"], exposed["images"]), routings["images"] = _priced_images(
+            inputs, transfer, meets, threaded, plan_ms
+        )
     if W > 1 and "both" in options:
-        both_plan = plan_rebalance(
-            np.rint(inputs.llm_ms * 1000.0).astype(np.int64),
-            origin,
-            W,
-            G,
-            objective="microstep",
-            tolerance=tolerance,
+        (prices["both"], exposed["both"]), routings["both"], both_plan = _priced_both(
+            inputs, transfer, meets, threaded, plan_ms, tolerance
         )
-        placed = both_plan.assignment[:, :, 0].reshape(-1)
-        routing = _routed(inputs.taken(placed), reorder=False)
-        moves = np.asarray(both_plan.moves, dtype=np.int64).reshape(-1, 3)
-        prices["both"], exposed["both"] = price_routing(
-            routing,
-            transfer,
-            meets_every_micro_batch=meets,
-            threaded=threaded,
-            plan_ms=plan_ms,
-            moved_packs_ms=transfer.exchange_ms(moves, inputs.pack_bytes, W),
-        )
-        routings["both"] = routing
     # the choice is made on the prices alone (the overhead, this rank's own estimate, only
     # shifts every price alike for the report)
     option = min(prices, key=lambda o: (prices[o], OPTIONS.index(o)))
