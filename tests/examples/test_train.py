@@ -163,9 +163,9 @@ def test_the_headline_gain_is_whole_run_tokens_per_s_over_every_round() -> None:
 def test_the_main_job_compares_the_modes_on_the_same_samples(main_job) -> None:
     summary, stdout, _ = main_job
     modes = summary["modes"]
-    assert list(modes) == ["off", "overlap", "source", "encoder"] and summary["ranks"] == 2
-    assert summary["rounds"] == 2
-    forward = ["off", "overlap", "source", "encoder"]
+    assert list(modes) == ["off", "overlap", "source", "encoder", "auto"]
+    assert summary["ranks"] == 2 and summary["rounds"] == 2
+    forward = ["off", "overlap", "source", "encoder", "auto"]
     assert summary["order"] == forward + forward[::-1]
     assert summary["read_ahead"] == 2  # every mode reads 2 packs ahead in a thread per rank
     # every run trains every sample once; off and overlap the same global batch at every step
@@ -413,7 +413,7 @@ def test_the_main_job_prints_one_line_per_run_and_no_banners(main_job) -> None:
     pattern = re.compile(r"^run (\d+)/(\d+): (\S+) +round (\d+) +([\d,]+) tokens/s  .*$", re.M)
     lines = list(pattern.finditer(stdout))
     assert [(m[3], int(m[4])) for m in lines] == [(mode, k) for k, mode in order]
-    assert [(int(m[1]), int(m[2])) for m in lines] == [(n, 8) for n in range(1, 9)]
+    assert [(int(m[1]), int(m[2])) for m in lines] == [(n, 10) for n in range(1, 11)]
     for m in lines:
         mode, k = m[3], int(m[4])
         run = modes[mode]["by_round"][k]
@@ -426,7 +426,7 @@ def test_the_main_job_prints_one_line_per_run_and_no_banners(main_job) -> None:
         elif k == 1:
             gains = ", ".join(
                 f"{other} {_pct(modes[other]['by_round'][1]['gain_vs_off'])}"
-                for other in ("encoder", "source", "overlap")
+                for other in ("auto", "encoder", "source", "overlap")
             )
             assert text.endswith(f"| round 1 vs this off: {gains}"), text
     # quiet: no banner, summary, progress bar or third-party warning, on either stream
@@ -436,7 +436,7 @@ def test_the_main_job_prints_one_line_per_run_and_no_banners(main_job) -> None:
     # stderr keeps the package's own warnings (a refit not adopted), none of other libraries'
     assert "is deprecated" not in stderr, stderr
     assert not re.search(r"site-packages/\S+\.py:\d+: ", stderr), stderr
-    assert len(stdout.splitlines()) < 40, stdout  # 8 run lines, the table, the headline, ...
+    assert len(stdout.splitlines()) < 44, stdout  # 10 run lines, the table, the headline, ...
     # the headline: the whole-run gain with each round's, their median and the verdict
     best = modes[summary["best_mode"]]
     assert summary["gain_by_round"] == best["gain_by_round"] and len(best["gain_by_round"]) == 2
