@@ -371,7 +371,7 @@ class GlobalBatchFormer(ImageRoutes):
             options=options,
             objective=self.config.objective,
             meets_every_micro_batch=self.meets_every_micro_batch,
-            threaded=self.config.mode == "auto",
+            threaded=True,  # "auto" forms every global batch in the loader's thread
             transfer=self.transfer,
             tolerance=self.config.tolerance,
         )
