@@ -62,10 +62,9 @@ def plain_bound(table: Any, R: int, batches: int, seed: int) -> float:
     lower bound of the step described in the module docstring."""
     pools = _PoolCache(table, 8192, CostModel(), ExchangeModel(), seed, False, None, None)
     greedy = pools.get("greedy", R)
-    transfer = ExchangeModel().transfer
     bounds = []
     for draw in _draws(greedy, R, 1, batches, seed, False, 0):
-        inputs = _inputs(greedy, draw, R, transfer)
+        inputs = _inputs(greedy, draw, R)
         present = np.arange(inputs.image_ms.shape[1])[None, :] < inputs.counts[:, None]
         costs = inputs.image_ms[present]
         cheap = image_bound(np.full(R, inputs.per_call_ms), costs)
@@ -94,7 +93,7 @@ def planning_ms(table: Any, R: int, G: int, sync: str, seed: int, batches: int =
     transfer = ExchangeModel().transfer
     times = []
     for draw in _draws(greedy, R, G, batches, seed, False, 0):
-        inputs = _inputs(greedy, draw, R, transfer)
+        inputs = _inputs(greedy, draw, R)
         start = time.perf_counter()
         choose_step(
             inputs,

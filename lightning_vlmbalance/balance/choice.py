@@ -36,13 +36,16 @@ import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lightning_vlmbalance.balance.cost import FEATURES, CostModel
 from lightning_vlmbalance.balance.image_routing import ImageRouting, route_images
 from lightning_vlmbalance.balance.planner import RebalancePlan, plan_rebalance
+
+if TYPE_CHECKING:
+    from lightning_vlmbalance.balance.images import PackImages
 
 __all__ = [
     "OPTIONS",
@@ -165,6 +168,42 @@ class StepInputs:
             counts=counts,
             per_call_ms=per_call,
             pack_bytes=transfer.pack_bytes(named["total_tokens"], named["image_tokens"]),
+            num_replicas=int(num_replicas),
+        )
+
+    @classmethod
+    def of_pack_images(
+        cls,
+        images: PackImages,
+        pack_ms: np.ndarray,
+        pack_bytes: np.ndarray,
+        draw: np.ndarray,
+        num_replicas: int,
+    ) -> StepInputs:
+        """One global batch ``draw`` (indices of packs, rank by rank) of packs known from a
+        length table: each image's cost and tokens from ``images``
+        (:class:`~lightning_vlmbalance.balance.images.PackImages`: a sample's image tokens
+        split evenly over its images), each pack's cost and bytes from ``pack_ms`` and
+        ``pack_bytes``. How the simulator and the per-epoch decision
+        (:mod:`~lightning_vlmbalance.balance.epoch_choice`) see a global batch."""
+        first, last = images.offsets[draw], images.offsets[draw + 1]
+        counts = (last - first).astype(np.int64)
+        K = max(1, int(counts.max()) if len(counts) else 1)
+        present = np.arange(K)[None, :] < counts[:, None]
+        if len(images.cost_ms):
+            index = np.where(present, first[:, None] + np.arange(K)[None, :], 0)
+            image_ms = np.where(present, images.cost_ms[index], 0.0)
+            tokens = np.where(present, images.tokens[index], 0)
+        else:
+            image_ms, tokens = np.zeros((len(draw), K)), np.zeros((len(draw), K), dtype=np.int64)
+        return cls(
+            pack_ms=pack_ms[draw],
+            llm_ms=images.llm_ms[draw],
+            image_ms=image_ms,
+            image_tokens=tokens,
+            counts=counts,
+            per_call_ms=images.per_call_ms,
+            pack_bytes=np.asarray(pack_bytes, dtype=np.float64)[draw],
             num_replicas=int(num_replicas),
         )
 

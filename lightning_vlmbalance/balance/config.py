@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from lightning_vlmbalance.balance.calibration import Calibration
-from lightning_vlmbalance.balance.choice import OPTIONS
+from lightning_vlmbalance.balance.choice import OPTIONS, PACK_OPTIONS
 from lightning_vlmbalance.balance.planner import OBJECTIVES, Objective
 from lightning_vlmbalance.parallel import resolve_objective
 
@@ -104,6 +104,15 @@ class RebalanceConfig:
             raise ValueError(
                 f"`RebalanceConfig(exchange_timeout_s={self.exchange_timeout_s!r})` must be > 0"
             )
+
+    @property
+    def auto_options(self) -> tuple[str, ...]:
+        """What ``"auto"`` chooses among: ``options``, else every option the model allows
+        (images only with ``encoder=True``: a model encoding through
+        :func:`~lightning_vlmbalance.balance.encoder.encode_images`)."""
+        if self.options is not None:
+            return tuple(self.options)
+        return OPTIONS if self.encoder else PACK_OPTIONS
 
     def resolved(self, *, sync_every_micro_batch: bool) -> RebalanceConfig:
         """This config with ``objective="auto"`` decided: ``"microstep"`` if the ranks

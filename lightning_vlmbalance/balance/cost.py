@@ -29,7 +29,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ import numpy as np
 
 __all__ = [
     "FEATURES",
+    "LLM_PHASES",
     "MEASURED_FIELDS",
     "MODELLED_PHASES",
     "CostModel",
@@ -57,6 +58,7 @@ FEATURES: tuple[str, ...] = (
     "doc_sq_tokens",
 )
 MODELLED_PHASES: tuple[str, ...] = ("vision_fwd", "vision_bwd", "llm_fwd", "llm_bwd")
+LLM_PHASES: tuple[str, ...] = ("llm_fwd", "llm_bwd")  # what a pack costs wherever its images go
 _VISION_TERMS = ("image_pack", "images", "image_tokens", "image_sq_tokens")
 _LLM_TERMS = ("pack", "total_tokens", "doc_sq_tokens")
 _TERMS = {
@@ -211,15 +213,21 @@ class CostModel:
         """Forward plus backward milliseconds of each pack, ``(N,) float64``."""
         return np.sum(list(self.predict(features).values()), axis=0)
 
-    def additive_cost_ms(self, features: Mapping[str, Any]) -> tuple[np.ndarray, float, float]:
+    def additive_cost_ms(
+        self, features: Mapping[str, Any], phases: Sequence[str] = MODELLED_PHASES
+    ) -> tuple[np.ndarray, float, float]:
         """Each row's forward plus backward milliseconds from its additive terms (every term
         but ``pack`` and ``image_pack``), and the two per-pack costs: what every pack pays once
         and what a pack with any image pays once. For rows of :func:`sample_features` (one
         sample each) the first sums over a pack's samples to the pack's cost less those two:
-        the source former's per-sample costs, from the same term matrix as :meth:`predict`."""
+        the source former's per-sample costs, from the same term matrix as :meth:`predict`.
+        ``phases``: the phases summed (``LLM_PHASES``: the language model alone)."""
+        unknown = [p for p in phases if p not in MODELLED_PHASES]
+        if unknown:
+            raise ValueError(f"`additive_cost_ms(phases={list(phases)})`: unknown {unknown}")
         terms = _term_matrix(features)
         per_term = np.array(
-            [sum(self.coefficients[p].get(t, 0.0) for p in MODELLED_PHASES) for t in _ALL_TERMS]
+            [sum(self.coefficients[p].get(t, 0.0) for p in phases) for t in _ALL_TERMS]
         )
         fixed = [_ALL_TERMS.index(t) for t in _PER_PACK_TERMS]
         additive = [i for i in range(len(_ALL_TERMS)) if i not in fixed]

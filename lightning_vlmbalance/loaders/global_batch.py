@@ -227,12 +227,8 @@ class GlobalBatchFormer(ImageRoutes):
 
     @property
     def options(self) -> tuple[str, ...]:
-        """What ``"auto"`` chooses among: the config's ``options``, else every option the
-        model allows (images only with ``encoder=True``: a model encoding through
-        :func:`~lightning_vlmbalance.balance.encoder.encode_images`)."""
-        if self.config.options is not None:
-            return tuple(self.config.options)
-        return OPTIONS if self.config.encoder else PACK_OPTIONS
+        """What ``"auto"`` chooses among (:attr:`RebalanceConfig.auto_options`)."""
+        return self.config.auto_options
 
     # -- which cost model plans a global batch ----------------------------------------------
 

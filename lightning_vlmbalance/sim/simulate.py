@@ -419,6 +419,7 @@ class _SourcePool:
         G: int,
         seed: int,
         objective: str,
+        llm_only: bool = False,
     ) -> None:
         from lightning_vlmbalance.balance.source import SourceBalance, build_balanced_epoch_plan
 
@@ -433,7 +434,9 @@ class _SourcePool:
             num_replicas=R,
             epoch=0,
             balance=SourceBalance(
-                micro_steps=G, objective="step" if objective == "step" else "microstep"
+                micro_steps=G,
+                objective="step" if objective == "step" else "microstep",
+                llm_only=llm_only,
             ),
             cost_model=cost_model,
         )
@@ -651,16 +654,15 @@ def _configuration_rows(
     ``source`` and ``encoder_source`` share one source pool, formed from ``off``'s samples."""
     sync_objective = "step" if sync_every == "step" else "microstep"  # how step time adds up
     group = []
-    source: _SourcePool | None = None
+    sources: dict[bool, _SourcePool] = {}  # by llm_only (built once each)
 
-    def source_pool() -> _SourcePool:  # off's samples, re-formed (built once)
-        nonlocal source
-        if source is None:
+    def source_pool(llm_only: bool = False) -> _SourcePool:  # off's samples, re-formed
+        if llm_only not in sources:
             greedy = pools.get("greedy", R)
             rows_of_off = greedy.table_rows(
                 _draws(greedy, R, G, batches, pools.seed, pools.replay, replay_skip)
             )
-            source = _SourcePool(
+            sources[llm_only] = _SourcePool(
                 pools.table,
                 rows_of_off,
                 pools.seq_len,
@@ -670,8 +672,9 @@ def _configuration_rows(
                 G,
                 pools.seed,
                 plan.objective,
+                llm_only=llm_only,
             )
-        return source
+        return sources[llm_only]
 
     def run(mode: str, p: _Pool | _SourcePool, draws: list[np.ndarray], **kw: Any) -> dict:
         return _run(
@@ -680,10 +683,12 @@ def _configuration_rows(
 
     for mode in modes:
         if mode in ("source", "encoder_source"):
+            # by every phase's cost (as the runtime forms them outside "auto", which prices
+            # the language model's alone too)
             p = source_pool()
             row = run(mode, p, p.draws)
         elif mode == "auto":
-            row = _auto_row(pools, source_pool(), R, G, batches, replay_skip, run)
+            row = _auto_row(pools, source_pool, R, G, batches, replay_skip, run)
             p = pools.get("greedy", R)
         else:
             p = pools.get("budget" if mode == "budget" else "greedy", R)
@@ -702,7 +707,7 @@ def _configuration_rows(
 
 def _auto_row(
     pools: _PoolCache,
-    source: _SourcePool,
+    source: Callable[[bool], _SourcePool],
     R: int,
     G: int,
     batches: int,
@@ -710,17 +715,25 @@ def _auto_row(
     run: Callable[..., dict[str, Any]],
 ) -> dict[str, Any]:
     """``auto``: every global batch takes the cheapest option (``choose_step``), and the epoch
-    is formed at the source or not, whichever the simulator predicts faster on the same samples
-    (what the runtime decides per epoch from its plan). At the source the packs are already
-    placed: only images may move."""
+    is packed as the samples come, formed at the source by every phase's cost, or formed by
+    the language model's alone (the images then routed), whichever the simulator predicts
+    fastest on the same samples (what the runtime decides per epoch from its plans:
+    :mod:`~lightning_vlmbalance.balance.epoch_choice`). Every option is open on each."""
     greedy = pools.get("greedy", R)
-    plain = run(
-        "auto", greedy, _draws(greedy, R, G, batches, pools.seed, pools.replay, replay_skip)
-    )
-    formed = run("auto", source, source.draws, options=("placed", "images"))
-    row = formed if formed["tokens_per_s_per_rank"] > plain["tokens_per_s_per_rank"] else plain
-    row["formed_at_source"] = row is formed
-    if row is plain:
+    rows = {
+        "plain": run(
+            "auto", greedy, _draws(greedy, R, G, batches, pools.seed, pools.replay, replay_skip)
+        )
+    }
+    for name, llm_only in (("formed", False), ("formed_llm", True)):
+        p = source(llm_only)
+        rows[name] = run("auto", p, p.draws)
+    # the fastest; ties to the one that changes the order least (plain, then formed)
+    name = max(rows, key=lambda k: (rows[k]["tokens_per_s_per_rank"], -list(rows).index(k)))
+    row = rows[name]
+    row["formed_at_source"] = name != "plain"
+    row["formed_by"] = {"plain": None, "formed": "all", "formed_llm": "llm"}[name]
+    if name == "plain":
         row.pop("bound_step_ms", None)
         row.pop("waste_vs_bound", None)
     return row
@@ -769,30 +782,10 @@ def _default_budget(greedy: _Pool) -> int:
     return max(1, math.ceil(float(greedy.image_tokens[real].mean()))) if real.any() else 1
 
 
-def _inputs(p: _Pool | _SourcePool, draw: np.ndarray, R: int, transfer: Transfer) -> StepInputs:
+def _inputs(p: _Pool | _SourcePool, draw: np.ndarray, R: int) -> StepInputs:
     """One drawn global batch of a pool as :func:`~lightning_vlmbalance.balance.choice.
     choose_step` prices it (each image's cost and tokens from the pool's ``PackImages``)."""
-    images = p.images
-    first, last = images.offsets[draw], images.offsets[draw + 1]
-    counts = (last - first).astype(np.int64)
-    K = max(1, int(counts.max()) if len(counts) else 1)
-    present = np.arange(K)[None, :] < counts[:, None]
-    if len(images.cost_ms):
-        index = np.where(present, first[:, None] + np.arange(K)[None, :], 0)
-        image_ms = np.where(present, images.cost_ms[index], 0.0)
-        tokens = np.where(present, images.tokens[index], 0)
-    else:
-        image_ms, tokens = np.zeros((len(draw), K)), np.zeros((len(draw), K), dtype=np.int64)
-    return StepInputs(
-        pack_ms=p.cost_ms[draw],
-        llm_ms=images.llm_ms[draw],
-        image_ms=image_ms,
-        image_tokens=tokens,
-        counts=counts,
-        per_call_ms=images.per_call_ms,
-        pack_bytes=p.bytes[draw].astype(np.float64),
-        num_replicas=R,
-    )
+    return StepInputs.of_pack_images(p.images, p.cost_ms, p.bytes, draw, R)
 
 
 _REORDER = {"encoder": False, "encoder_overlap": True, "encoder_source": False}
@@ -813,7 +806,7 @@ def _priced(
     option ``auto`` took (the mode's own otherwise). Every mode is priced by the functions
     ``mode="auto"`` decides with (:mod:`~lightning_vlmbalance.balance.choice`)."""
     transfer = exchange.transfer
-    inputs = _inputs(p, draw, R, transfer)
+    inputs = _inputs(p, draw, R)
     if R == 1 or mode in ("off", "budget", "source"):
         return price_placed(inputs, meets_every_micro_batch=meets), 0.0, 0.0, 0.0, "placed"
     if mode == "auto":
