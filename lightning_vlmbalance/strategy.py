@@ -70,6 +70,7 @@ from lightning_vlmbalance.balance.choice import StepScale
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel
 from lightning_vlmbalance.balance.encoder import ReturnChannel
+from lightning_vlmbalance.balance.epoch_choice import EpochRuntime
 from lightning_vlmbalance.balance.groups import ExchangeGroups
 from lightning_vlmbalance.balance.model_schedule import ModelSchedule
 from lightning_vlmbalance.callbacks.straggler_monitor import StragglerMonitor
@@ -270,9 +271,21 @@ class Rebalancer:
         # balanced at the source: the sampler formed and placed every global batch already, so
         # nothing moves and no exchange thread starts (only the loss weights are set)
         self.source_balanced = bool(getattr(sampler, "balanced", False))
+        config = _training_config(self.config, sampler if self.source_balanced else None)
         if self.source_balanced:
             self._one_model_with(sampler)
-        config = _training_config(self.config, self.source_balanced)
+            # under "auto" the sampler decides each epoch (and forms its packs) for how this
+            # loader will train it
+            sampler.decide_epochs(
+                EpochRuntime(
+                    options=config.auto_options,
+                    meets_every_micro_batch=step.meets_every_micro_batch,
+                    objective=config.objective,
+                    tolerance=config.tolerance,
+                )
+                if config.mode == "auto"
+                else None
+            )
         if self.loader is not None:  # a reload: stop the old loader's pass
             self.loader.close()
         self._logged_batches = 0
@@ -375,9 +388,20 @@ class Rebalancer:
         _log_balance(
             self.strategy.lightning_module,
             loader.stats[-1],
-            source_balanced=self.source_balanced,
+            source_balanced=self._formed_at_source(),
             encoder=self.config.encoder,
         )
+
+    def _formed_at_source(self) -> bool:
+        """Whether the epoch in training was formed at the source (a sampler that balances
+        at the source may decide per epoch: ``SourceBalance(when="auto")``)."""
+        if not self.source_balanced:
+            return False
+        inner = None if self.loader is None else self.loader.loader
+        sampler = getattr(inner, "sampler", None)
+        if sampler is None or not hasattr(sampler, "plan"):
+            return True
+        return bool(sampler.plan().formed_at_source)
 
     def teardown(self) -> None:
         self.preemption.release()
@@ -390,11 +414,15 @@ class Rebalancer:
         self.returns = ReturnChannel()
 
 
-def _training_config(config: RebalanceConfig, source_balanced: bool) -> RebalanceConfig:
-    """The config the training loader forms its global batches with: balanced at the source,
-    the packs stay where the sampler placed them (``"auto"`` may still route their images;
-    every other mode moves nothing)."""
-    if not source_balanced:
+def _training_config(config: RebalanceConfig, sampler: Any) -> RebalanceConfig:
+    """The config the training loader forms its global batches with. A ``sampler`` that
+    balances at the source: under ``"auto"`` with ``SourceBalance(when="auto")`` every option
+    (an epoch may be plain, and a formed one's placement is priced like any other), with
+    ``when="always"`` the packs stay where the sampler placed them (``"auto"`` may still route
+    their images); every other mode moves nothing."""
+    if sampler is None:
+        return config
+    if config.mode == "auto" and sampler.source_balance.when == "auto":
         return config
     if config.mode == "auto" and config.encoder:
         return dataclasses.replace(config, options=("placed", "images"))

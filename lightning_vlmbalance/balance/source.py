@@ -36,7 +36,13 @@ from typing import Any, Literal
 import numpy as np
 
 from lightning_vlmbalance._moved import DP_RANKS, renamed_keyword
-from lightning_vlmbalance.balance.cost import CostModel, features_from_packs, sample_features
+from lightning_vlmbalance.balance.cost import (
+    LLM_PHASES,
+    MODELLED_PHASES,
+    CostModel,
+    features_from_packs,
+    sample_features,
+)
 from lightning_vlmbalance.balance.planner import plan_rebalance
 from lightning_vlmbalance.packing.binpack import Packs
 from lightning_vlmbalance.packing.plan import (
@@ -88,6 +94,15 @@ class SourceBalance:
             (counted in the plan's ``fallback_batches``).
         plan_ahead: plan the next epoch in a background thread once the current epoch's plan
             is made (the sampler's ``planned_ahead`` counts the plans taken from it).
+        when: ``"auto"`` (under a strategy in ``mode="auto"``, each epoch is formed at the
+            source only where that is predicted faster than the packs as they come, with the
+            cost model the epoch starts with: :mod:`~lightning_vlmbalance.balance.
+            epoch_choice`; formed every epoch under any other strategy or mode) or
+            ``"always"`` (every epoch).
+        llm_only: form and place the packs by their language model's cost alone, the vision
+            encoder's left to the image routing (the two levels then agree); ``None``: with
+            ``when="auto"`` where the strategy's loader may route images (``mode="auto"``
+            with ``encoder=True``), priced both ways each epoch, else ``False``.
 
     Raises:
         ValueError: for a bad setting, quoting it.
@@ -102,6 +117,8 @@ class SourceBalance:
     fill_with_images: bool = False
     exact: bool = False
     plan_ahead: bool = True
+    when: Literal["auto", "always"] = "auto"
+    llm_only: bool | None = None
 
     def __post_init__(self) -> None:
         if self.micro_steps is not None and self.micro_steps < 1:
@@ -111,6 +128,8 @@ class SourceBalance:
                 f"`SourceBalance(objective={self.objective!r})`: expected 'auto', 'step' or"
                 " 'microstep'"
             )
+        if self.when not in ("auto", "always"):
+            raise ValueError(f"`SourceBalance(when={self.when!r})`: expected 'auto' or 'always'")
         for name in ("slack", "small_tokens", "lookahead"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"`SourceBalance({name}={getattr(self, name)!r})` must be >= 0")
@@ -126,10 +145,12 @@ class SourceBalance:
 
     def resolved(self, *, micro_steps: int, objective: str) -> SourceBalance:
         """These settings with ``micro_steps`` and ``objective`` decided where left to the
-        trainer (``None`` and ``"auto"``)."""
+        trainer (``None`` and ``"auto"``), and ``llm_only=None`` as ``False`` (the per-epoch
+        decision sets it where it prices both)."""
         return replace(
             self,
             micro_steps=micro_steps if self.micro_steps is None else self.micro_steps,
+            llm_only=bool(self.llm_only),
             objective=resolve_objective(
                 objective if self.objective == "auto" else self.objective,
                 sync_every_micro_batch=False,
@@ -199,13 +220,19 @@ def form_balanced_batches(
 
 
 def sample_costs(
-    cost_model: CostModel, total_tokens: np.ndarray, image_tokens: np.ndarray, images: np.ndarray
+    cost_model: CostModel,
+    total_tokens: np.ndarray,
+    image_tokens: np.ndarray,
+    images: np.ndarray,
+    *,
+    llm_only: bool = False,
 ) -> tuple[np.ndarray, float]:
-    """Each sample's additive cost under ``cost_model`` (all phases) and the fixed cost a pack
-    pays once when any of its samples has an image (the per-pack constant is left out: every
-    pack pays it)."""
+    """Each sample's additive cost under ``cost_model`` (all phases, or with ``llm_only`` the
+    language model's) and the fixed cost a pack pays once when any of its samples has an image
+    (the per-pack constant is left out: every pack pays it)."""
     features = sample_features(total_tokens, image_tokens, images)
-    cost, _, image_pack = cost_model.additive_cost_ms(features)
+    phases = LLM_PHASES if llm_only else MODELLED_PHASES
+    cost, _, image_pack = cost_model.additive_cost_ms(features, phases)
     return cost, image_pack
 
 
@@ -257,8 +284,9 @@ def build_balanced_epoch_plan(
         total_tokens, image_tokens, config.seq_len, config.overlong
     )
     order = _sample_stream(len(lengths), skipped, config, epoch)
+    llm_only = bool(balance.llm_only)
     costs = [
-        (start, model, *sample_costs(model, lengths, image_tokens, images))
+        (start, model, *sample_costs(model, lengths, image_tokens, images, llm_only=llm_only))
         for start, model in schedule
     ]
     R, G = num_replicas, balance.micro_steps
@@ -269,8 +297,11 @@ def build_balanced_epoch_plan(
         )
     else:
         batches = _scheduled_batches(order, lengths, image_tokens, costs, config, R * G, balance)
+    # packs balanced on their language model: the images go where the routing puts them,
+    # and a micro-step that routes one is a meeting (its own language models must be even)
+    objective = "microstep" if llm_only else balance.objective
     rank_packs, rank_ids, tokens, padding = _deal_batches(
-        batches, lengths, image_tokens, images, costs, R, G, balance.objective
+        batches, lengths, image_tokens, images, costs, R, G, objective, llm_only
     )
     return EpochPlan(
         epoch=epoch,
@@ -284,6 +315,7 @@ def build_balanced_epoch_plan(
         truncated_sample_ids=truncated,
         balanced_batches=len(batches) - fallback,
         fallback_batches=fallback,
+        formed_at_source=True,
     )
 
 
@@ -351,6 +383,7 @@ def _deal_batches(
     R: int,
     G: int,
     objective: str,
+    llm_only: bool = False,
 ) -> tuple[list[list[np.ndarray]], list[list[int]], list[int], int]:
     """Each global batch's packs placed on the ranks (:func:`_place`, with the model that
     formed the batch), a batch short of ``R x G`` packs padded with empty ones. Returns each
@@ -367,7 +400,7 @@ def _deal_batches(
         padding += R * G - n_real
         pack_tokens = batch.tokens(lengths).tolist()
         model = costs[bisect.bisect_right(starts, index) - 1][1]
-        placed = _place(batch, lengths, image_tokens, images, model, R, G, objective)
+        placed = _place(batch, lengths, image_tokens, images, model, R, G, objective, llm_only)
         for r in range(R):
             for p in placed[r]:
                 if p < n_real:
@@ -389,15 +422,20 @@ def _place(
     R: int,
     G: int,
     objective: str,
+    llm_only: bool = False,
 ) -> list[list[int]]:
     """Which of the batch's packs (index; ``>= len(batch)``: padding) each rank trains at each
-    micro-step: the planner's placement for the objective. With one micro-step every placement
-    is as good (each rank has one pack): pack ``r`` to rank ``r``."""
+    micro-step: the planner's placement for the objective, of the packs' cost (``llm_only``:
+    their language model's). With one micro-step every placement is as good (each rank has
+    one pack): pack ``r`` to rank ``r``."""
     if G == 1:
         return [[r] for r in range(R)]
     feats = features_from_packs(batch, lengths, image_tokens, images)
     pack_cost = np.zeros(R * G, dtype=np.int64)
-    pack_cost[: len(batch)] = cost_model.pack_cost_us(feats)
+    if llm_only:
+        pack_cost[: len(batch)] = np.rint(cost_model.llm_cost_ms(feats) * 1000.0)
+    else:
+        pack_cost[: len(batch)] = cost_model.pack_cost_us(feats)
     return (
         plan_rebalance(
             pack_cost, np.repeat(np.arange(R), G), R, G, objective=objective, tolerance=0.0

@@ -9,7 +9,9 @@ checkpoint resumes with exactly the remaining packs.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import threading
 import warnings
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, SequentialSampler
 
 from lightning_vlmbalance import _lightning as seam
 from lightning_vlmbalance.balance.cost import CostModel
+from lightning_vlmbalance.balance.epoch_choice import EpochChoice, EpochRuntime, choose_epoch
 from lightning_vlmbalance.balance.source import SourceBalance, build_balanced_epoch_plan
 from lightning_vlmbalance.loaders._dataloader_settings import (
     DataLoaderSettings,
@@ -331,6 +334,9 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         self.source_balance = _as_source_balance(balance)
         # what the trainer decides where the settings leave it (set_micro_steps)
         self._trainer_micro_steps, self._trainer_objective = 1, "auto"
+        # how the strategy's loader trains an epoch (decide_epochs), and each epoch's decision
+        self._runtime: EpochRuntime | None = None
+        self._epoch_choices: dict[tuple, EpochChoice] = {}
         self.images = _column(images, "images", (self.image_tokens > 0).astype(np.int64))
         check_length_table(self.total_tokens, self.image_tokens)
         check_image_counts(self.images, self.image_tokens)
@@ -457,6 +463,21 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         if (self.micro_steps, self.objective) != before:
             self._plans = {}
 
+    def decide_epochs(self, runtime: EpochRuntime | None) -> None:
+        """How the strategy's loader will train each epoch (a strategy in ``mode="auto"``
+        tells a balanced sampler): with ``SourceBalance(when="auto")`` each epoch is then
+        formed at the source only where that is predicted faster, and where the loader may
+        route images also priced formed by the language model's cost alone
+        (:mod:`~lightning_vlmbalance.balance.epoch_choice`). ``None``: every epoch formed."""
+        if runtime != self._runtime:
+            self._runtime = runtime
+            self._plans = {}
+
+    @property
+    def epoch_runtime(self) -> EpochRuntime | None:
+        """What :meth:`decide_epochs` was told last."""
+        return self._runtime
+
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose plan is yielded (Lightning calls this every epoch)."""
         self.epoch = epoch
@@ -487,18 +508,62 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         # the epoch's cost models (CostModel compares by value): an ahead plan of other models
         # is planned again
         models = () if self.source_balance is None else tuple(self.cost_schedule(epoch))
-        return (epoch, self.num_replicas, self.micro_steps, self.objective, models)
+        return (epoch, self.num_replicas, self.micro_steps, self.objective, models, self._runtime)
 
     def _build(self, settings: tuple) -> EpochPlan:
-        epoch, world, micro_steps, objective, models = settings
+        epoch, world, micro_steps, objective, models, runtime = settings
         if self.source_balance is None:
-            return build_epoch_plan(
-                self.total_tokens,
-                self.image_tokens,
-                self.config,
-                num_replicas=world,
-                epoch=epoch,
+            return self._plain(epoch, world)
+        # no trainer told how the ranks meet: once per step
+        balance = self.source_balance.resolved(micro_steps=micro_steps, objective=objective)
+        if runtime is None or balance.when == "always":
+            return self._formed(epoch, world, balance, list(models))
+        # the epoch's decision, made once with the model it starts with (a refit adopted
+        # during the epoch re-plans the rest of a formed epoch, never the decision)
+        first = json.dumps(models[0][1].to_dict(), sort_keys=True)  # (a model is unhashable)
+        key = (epoch, world, micro_steps, objective, first, runtime)
+        choice = self._epoch_choices.get(key)
+        if choice is None:
+            plans = {"plain": self._plain(epoch, world)}
+            for name, llm_only in self._formed_bases(runtime):
+                basis = dataclasses.replace(balance, llm_only=llm_only)
+                plans[name] = self._formed(epoch, world, basis, list(models[:1]))
+            choice = choose_epoch(
+                plans,
+                micro_steps=micro_steps,
+                total_tokens=self.total_tokens,
+                image_tokens=self.image_tokens,
+                images=self.images,
+                cost_model=models[0][1],
+                runtime=runtime,
             )
+            # a new dict (the plan-ahead thread reads it), the epochs that may still be asked
+            kept = {k: c for k, c in self._epoch_choices.items() if k[0] >= epoch - 1}
+            self._epoch_choices = {**kept, key: choice}
+            if len(models) == 1:  # the plan just priced is the epoch's
+                return dataclasses.replace(plans[choice.taken], epoch_choice=choice.to_dict())
+        if choice.taken == "plain":
+            plan = self._plain(epoch, world)
+        else:
+            basis = dataclasses.replace(balance, llm_only=choice.taken == "formed_llm")
+            plan = self._formed(epoch, world, basis, list(models))
+        return dataclasses.replace(plan, epoch_choice=choice.to_dict())
+
+    def _formed_bases(self, runtime: EpochRuntime) -> list[tuple[str, bool]]:
+        """The formed plans priced: by every phase's cost, and where the loader may route
+        images also by the language model's (``llm_only=None``); or the one given."""
+        assert self.source_balance is not None
+        given = self.source_balance.llm_only
+        if given is not None:
+            return [("formed_llm" if given else "formed", given)]
+        return [("formed", False), *([("formed_llm", True)] if runtime.routes_images else [])]
+
+    def _plain(self, epoch: int, world: int) -> EpochPlan:
+        return build_epoch_plan(
+            self.total_tokens, self.image_tokens, self.config, num_replicas=world, epoch=epoch
+        )
+
+    def _formed(self, epoch: int, world: int, balance: SourceBalance, schedule: list) -> EpochPlan:
         return build_balanced_epoch_plan(
             self.total_tokens,
             self.image_tokens,
@@ -506,9 +571,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             self.config,
             num_replicas=world,
             epoch=epoch,
-            # no trainer told how the ranks meet: once per step
-            balance=self.source_balance.resolved(micro_steps=micro_steps, objective=objective),
-            schedule=list(models),
+            balance=balance,
+            schedule=schedule,
         )
 
     def pack_refs(self, start: int = 0, epoch: int | None = None) -> list[tuple[int, np.ndarray]]:
@@ -556,6 +620,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
                 **self.source_balance.to_dict(),
                 "micro_steps": self.micro_steps,
                 "objective": self.objective,
+                # what the epochs' decisions and an llm_only=None are made with
+                "runtime": None if self._runtime is None else self._runtime.to_dict(),
             },
         }
 

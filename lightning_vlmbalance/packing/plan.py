@@ -148,6 +148,10 @@ class EpochPlan:
         return self.num_replicas
 
     fallback_batches: int = 0
+    # formed at the source (build_balanced_epoch_plan), and the per-epoch decision of
+    # ``SourceBalance(when="auto")`` that chose this plan (``EpochChoice.to_dict()``), if any
+    formed_at_source: bool = False
+    epoch_choice: dict | None = None
 
     @property
     def packs_per_rank(self) -> int:

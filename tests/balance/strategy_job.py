@@ -60,6 +60,9 @@ class SourceBalancedData(Data):
 
     exact = False
     objective = "auto"
+    when = "auto"
+    llm_only: bool | None = None
+    cost_model: str | None = None
 
     def train_dataloader(self) -> Any:
         ds = SyntheticVLMDataset(self.table, vocab_size=64, patch_dim=8)
@@ -69,7 +72,13 @@ class SourceBalancedData(Data):
             seq_len=self.seq_len,
             seed=3,
             window=64,  # Data's: exact=True keeps its unbalanced plan's global batches
-            balance=vb.SourceBalance(exact=self.exact, objective=self.objective),
+            balance=vb.SourceBalance(
+                exact=self.exact,
+                objective=self.objective,
+                when=self.when,
+                llm_only=self.llm_only,
+                cost_model=self.cost_model,
+            ),
         )
         return vb.PackedDataLoader(
             ds,
@@ -271,6 +280,7 @@ class Job(RecordingVLM):
                     "dtensor_params": _dtensor_params(self),
                     "objective": getattr(strategy, "resolved_objective", None),
                     "step_scale": _scale(strategy),
+                    "epoch_choice": _epoch_choice(loader),
                 }
             )
         )
@@ -283,6 +293,15 @@ class Job(RecordingVLM):
         params = self.full_state_dict()
         if self.global_rank == 0:
             torch.save(params, Path(self.out) / "params.pt")
+
+
+def _epoch_choice(loader: Any) -> Any:
+    """The per-epoch decision of the trained epoch's plan (a source-balanced sampler's)."""
+    sampler = getattr(getattr(loader, "loader", None), "sampler", None)
+    if sampler is None or not getattr(sampler, "balanced", False):
+        return None
+    plan = sampler.plan()
+    return {"formed_at_source": plan.formed_at_source, "choice": plan.epoch_choice}
 
 
 def _dtensor_params(module: torch.nn.Module) -> int:
@@ -424,6 +443,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--text-share", type=float, default=0.2, help="text-only samples' share")
     p.add_argument("--balance-exact", action="store_true", help="... and exact=True")
     p.add_argument("--balance-objective", default="auto", help="... and this objective")
+    p.add_argument("--balance-when", default="auto", choices=("auto", "always"))
+    p.add_argument("--balance-llm-only", default="none", choices=("none", "true", "false"))
+    p.add_argument("--balance-cost-model", default=None, help="... planned with this JSON model")
     p.add_argument(
         "--no-sync-accumulation",
         action="store_true",
@@ -457,6 +479,9 @@ def _fit(args: argparse.Namespace) -> None:
         data.exact = True
     if isinstance(data, SourceBalancedData):
         data.objective = args.balance_objective
+        data.when = args.balance_when
+        data.llm_only = {"none": None, "true": True, "false": False}[args.balance_llm_only]
+        data.cost_model = args.balance_cost_model
     callbacks: list[Any] = []
     if args.checkpoint_every:
         callbacks.append(step_checkpoints(args.out, args.checkpoint_every, "{step}"))

@@ -27,11 +27,28 @@ from tests.balance.fits import max_rel_diff as _max_rel_diff
 from tests.launch import ROOT, run_modules
 
 EPOCH = ("--samples", "300", "--epochs", "1", "--max-steps", "-1", "--accumulate", "3")
+AUTO = ("--strategy", "vlmbalance", *EPOCH, "--balance", "--mode", "auto", "--encoder")
+DDP_STEP = ("--strategy", "ddp", *EPOCH, "--balance", "--balance-objective", "step")
+
+
+# a model whose tokens cost more than its packs (as a calibrated one on a GPU): the epochs of
+# the strategy job's table are then predicted faster formed at the source
+TOKEN_HEAVY = vb.CostModel(
+    coefficients={
+        "vision_fwd": {"image_pack": 1.0, "image_tokens": 1.0},
+        "vision_bwd": {"image_pack": 2.0, "image_tokens": 2.0},
+        "llm_fwd": {"pack": 1.0, "total_tokens": 0.1},
+        "llm_bwd": {"pack": 2.0, "total_tokens": 0.2},
+    }
+)
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("source_fits")
+    heavy = root / "token_heavy.json"
+    TOKEN_HEAVY.save(heavy)
+    formed = ("--balance-cost-model", str(heavy))
     jobs = {
         "vlmbalance": ("--strategy", "vlmbalance", *EPOCH, "--balance", "--checkpoint-every", "4"),
         # plain DDP meets every micro-batch ("auto" would plan for "microstep"): the plan that
@@ -39,6 +56,12 @@ def fits(tmp_path_factory) -> dict:
         "ddp": ("--strategy", "ddp", *EPOCH, "--balance", "--balance-objective", "step"),
         "exact": ("--strategy", "vlmbalance", *EPOCH, "--balance-exact"),
         "unbalanced_ddp": ("--strategy", "ddp", *EPOCH),
+        # mode="auto" decides the epoch (SourceBalance(when="auto")): plain or formed, every
+        # sample once either way, and a resume lands on the same decision and packs
+        "auto": (*AUTO, "--checkpoint-every", "4"),
+        # ... formed: the parameters are those of DDP on the same formed plan
+        "auto_formed": (*AUTO, *formed),
+        "ddp_formed": (*DDP_STEP, *formed),
     }
     run_modules([_job(root / name, *args) for name, args in jobs.items()])
     return {"root": root, **{name: _result(root / name) for name in jobs}}
@@ -92,6 +115,40 @@ def test_resume_mid_epoch_lands_on_the_same_packs(fits, tmp_path) -> None:
     resumed = _fit(tmp_path, "--strategy", "vlmbalance", *EPOCH, "--balance", "--resume", str(ckpt))
     for r in (0, 1):
         assert resumed[r]["seen"] == fits["vlmbalance"][r]["seen"][4 * 3 :]
+
+
+def test_auto_decides_the_epoch_and_trains_every_sample_once(fits) -> None:
+    run = fits["auto"]
+    decided = run[0]["epoch_choice"]
+    assert decided == run[1]["epoch_choice"]  # every rank
+    choice = decided["choice"]
+    prices = {k: v for k, v in choice.items() if k.endswith("_ms")}
+    assert set(prices) == {"plain_ms", "formed_ms", "formed_llm_ms"}  # images routed: three
+    assert choice["taken"] + "_ms" == min(prices, key=prices.get)
+    ids = sorted(s for r in (0, 1) for _, _, sample_ids in run[r]["seen"] for s in sample_ids)
+    assert ids == list(range(300))
+    assert ("balance/source_balanced" in run[0]["logged"]) == decided["formed_at_source"]
+
+
+def test_auto_forms_where_that_is_predicted_faster_and_keeps_the_parameters(fits) -> None:
+    run, ddp = fits["auto_formed"], fits["ddp_formed"]
+    assert run[0]["epoch_choice"]["formed_at_source"], run[0]["epoch_choice"]
+    assert run[0]["epoch_choice"]["choice"]["taken"] == "formed"  # as DDP's sampler formed it
+    assert "balance/source_balanced" in run[0]["logged"]
+    assert run[0]["optimizer_steps"] == ddp[0]["optimizer_steps"] > 10
+    assert _max_rel_diff(run["params"], ddp["params"]) < 1e-10
+    ids = sorted(s for r in (0, 1) for _, _, sample_ids in run[r]["seen"] for s in sample_ids)
+    assert ids == list(range(300))
+    # every option stays open on a formed epoch: auto priced them all
+    assert {s["choice"] for s in run[0]["stats"]} - {0.0}, "nothing but 'placed' was taken"
+
+
+def test_auto_resumed_mid_epoch_lands_on_the_same_decision_and_packs(fits, tmp_path) -> None:
+    ckpt = fits["root"] / "auto" / "ckpt" / "step=4.ckpt"
+    resumed = _fit(tmp_path, *AUTO, "--resume", str(ckpt))
+    for r in (0, 1):
+        assert resumed[r]["seen"] == fits["auto"][r]["seen"][4 * 3 :]
+        assert resumed[r]["epoch_choice"] == fits["auto"][r]["epoch_choice"]
 
 
 def _table(n: int = 6000) -> LengthTable:

@@ -39,6 +39,20 @@ def length_table() -> LengthTable:
     )
 
 
+def pack_heavy(pack_ms: float) -> vb.CostModel:
+    """A cost model whose packs cost ``pack_ms`` each besides their tokens: at 24 ms the epochs
+    of this table are predicted faster formed at the source in some epochs, plain in others
+    (``mode="auto"``'s per-epoch decision: formed, plain, plain, formed, formed at seed 6)."""
+    return vb.CostModel(
+        coefficients={
+            "vision_fwd": {"image_pack": 1.0, "image_tokens": 1.0},
+            "vision_bwd": {"image_pack": 2.0, "image_tokens": 2.0},
+            "llm_fwd": {"pack": pack_ms, "total_tokens": 0.1},
+            "llm_bwd": {"pack": 2 * pack_ms, "total_tokens": 0.2},
+        }
+    )
+
+
 def sampler(
     *,
     seed: int,
@@ -46,17 +60,24 @@ def sampler(
     balance: bool,
     num_replicas: int | None = None,
     micro_steps: int | None = None,
+    when: str = "always",
+    pack_ms: float | None = None,
     **kw: Any,
 ) -> vb.PackingSampler:
-    """The sampler of the job (the tests build the same one to know its plans' pack counts)."""
+    """The sampler of the job (the tests build the same one to know its plans' pack counts).
+    Balanced, it forms every epoch at the source (these fits are about formed plans' counts)
+    unless ``when="auto"``."""
     table = length_table()
+    model = None if pack_ms is None else pack_heavy(pack_ms)
     return vb.PackingSampler(
         table.total_tokens,
         table.image_tokens,
         seq_len=SEQ_LEN,
         seed=seed,
         window=window,
-        balance=vb.SourceBalance(micro_steps=micro_steps) if balance else None,
+        balance=vb.SourceBalance(micro_steps=micro_steps, when=when, cost_model=model)
+        if balance
+        else None,
         num_replicas=num_replicas,
         **kw,
     )
@@ -83,7 +104,13 @@ class EpochData(L.LightningDataModule):
         workers = {"persistent_workers": True} if a.persistent_workers else {}
         loader = vb.PackedDataLoader(
             SyntheticVLMDataset(length_table(), vocab_size=64, patch_dim=8),
-            sampler(seed=a.seed, window=a.window, balance=a.balance),
+            sampler(
+                seed=a.seed,
+                window=a.window,
+                balance=a.balance,
+                when=a.balance_when,
+                pack_ms=a.balance_pack_ms,
+            ),
             vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)),
             trainer=self.trainer,
             num_workers=a.num_workers,
@@ -143,10 +170,11 @@ class EpochJob(Job):
 
     def on_train_end(self) -> None:
         loaders = self.trainer.datamodule.loaders
-        planned = {}
+        planned, taken = {}, {}
         for epoch in range(self.trainer.max_epochs if loaders else 0):
             plan = loaders[-1].sampler.plan(epoch)
             planned[epoch] = len(plan.rank_packs[loaders[-1].sampler.rank])
+            taken[epoch] = None if plan.epoch_choice is None else plan.epoch_choice["taken"]
         path = Path(self.out) / f"rank{self.global_rank}.json"
         path.write_text(
             json.dumps(
@@ -154,6 +182,7 @@ class EpochJob(Job):
                     "trained": self.trained,
                     "validated": self.validated,
                     "planned": planned,
+                    "taken": taken,  # mode="auto": each epoch's plan (plain or formed)
                     "optimizer_steps": self.trainer.global_step,
                     "estimated_steps": getattr(self, "estimated_steps", None),
                     "loaders": len(self.trainer.datamodule.loaders),
@@ -182,6 +211,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--balance", action="store_true")
+    p.add_argument("--balance-when", default="always", choices=("always", "auto"))
+    p.add_argument("--balance-pack-ms", type=float, default=None, help="pack_heavy(ms) model")
     p.add_argument("--reload", action="store_true", help="reload_dataloaders_every_n_epochs=1")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume")

@@ -21,13 +21,18 @@ from tests.packing.epoch_job import SAMPLES, sampler
 
 EPOCHS = 5  # the fits that check every epoch run 5 (issue 24); the resumes and the overfit run 3
 LONG = ("--epochs", str(EPOCHS))
-FIVE_EPOCHS = {"one_plain", "ddp_reload", "vlm_balance_reload"}  # 1 rank; 2 ranks, ddp and ours
+# 1 rank; 2 ranks, ddp and ours (and ours deciding each epoch)
+FIVE_EPOCHS = {"one_plain", "ddp_reload", "vlm_balance_reload", "vlm_auto"}
 # (strategy, devices, sampler settings): each plan's pack counts differ by epoch, and some
 # later epoch has more packs than the first (the packs Lightning used to cut)
 ONE_PLAIN = ("--strategy", "auto", "--devices", "1", "--window", "8", "--seed", "7")
 DDP = ("--strategy", "ddp", "--devices", "2", "--window", "16", "--seed", "1")
 VLM_BALANCE = ("--strategy", "vlmbalance", "--devices", "2", "--balance", "--seed", "6")
 FSDP_BALANCE = ("--strategy", "fsdp_vlmbalance", "--devices", "2", "--balance", "--seed", "6")
+# mode="auto" decides each epoch: with this model formed at the source in epochs 0, 3 and 4,
+# plain in 1 and 2 (the plans change kind between epochs; the resume lands in epoch 3, formed
+# after two plain ones)
+VLM_AUTO = (*VLM_BALANCE, "--balance-when", "auto", "--balance-pack-ms", "24")
 PLANS = {
     "one_plain": {"seed": 7, "window": 8, "balance": False, "num_replicas": 1},
     "one_balance": {"seed": 6, "window": 16, "balance": True, "num_replicas": 1, "micro_steps": 2},
@@ -75,6 +80,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         "ddp_reload": (*DDP, "--reload", *LONG, "--validate", "--one-cycle"),
         "vlm_balance": (*VLM_BALANCE, *CHECKPOINT),
         "vlm_balance_reload": (*VLM_BALANCE, "--reload", *LONG),
+        "vlm_auto": (*VLM_AUTO, *LONG, "--checkpoint-every", "9"),
+        "resume_vlm_auto": (*VLM_AUTO, *LONG, "--resume", ckpt("vlm_auto", "epoch=3-step=72")),
         "fsdp_balance_reload": (*FSDP_BALANCE, "--reload"),
         "resume_ddp": (*DDP, "--resume", ckpt("ddp", "epoch=2-step=45")),
         "resume_vlm": (*VLM_BALANCE, "--resume", ckpt("vlm_balance", "epoch=2-step=54")),
@@ -88,6 +95,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     after = {
         "resume_ddp": ["ddp"],
         "resume_vlm": ["vlm_balance"],
+        "resume_vlm_auto": ["vlm_auto"],
         "overfit_resume": ["overfit"],
         "plain_loader_resume": ["plain_loader"],
     }
@@ -109,6 +117,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             ("one_plain", "overfit"),
             ("ddp_reload",),
             ("vlm_balance_reload",),
+            ("vlm_auto",),
+            ("resume_vlm_auto",),
             ("fsdp_balance_reload",),
             ("resume_ddp", "resume_vlm"),
             ("plain_loader_resume",),
@@ -173,6 +183,7 @@ SUITE_FITS = {"ddp", "vlm_balance_reload", "fsdp_balance_reload"}
             "vlm_balance",
             "vlm_balance_reload",
             "fsdp_balance_reload",
+            "vlm_auto",
         )
     ],
 )
@@ -194,6 +205,16 @@ def test_every_sample_once_in_every_epoch(runs: dict, name: str) -> None:
     assert len({r["optimizer_steps"] for r in ranks}) == 1
 
 
+@pytest.mark.jobs("vlm_auto")
+def test_auto_decides_each_epoch_and_every_rank_agrees(runs: dict) -> None:
+    """``mode="auto"`` with ``SourceBalance(when="auto")``: some epochs formed at the source,
+    some plain, each the same on every rank (the counts above: every sample once in each)."""
+    ranks = _ranks(runs, "vlm_auto")
+    taken = [ranks[0]["taken"][str(e)] for e in range(EPOCHS)]
+    assert {"plain", "formed"} <= set(taken), taken
+    assert all(r["taken"] == ranks[0]["taken"] for r in ranks)
+
+
 @pytest.mark.parametrize(
     ("name", "full"),
     [
@@ -201,6 +222,9 @@ def test_every_sample_once_in_every_epoch(runs: dict, name: str) -> None:
             "resume_ddp", "ddp", marks=[pytest.mark.jobs("resume_ddp"), pytest.mark.suite]
         ),
         pytest.param("resume_vlm", "vlm_balance", marks=pytest.mark.jobs("resume_vlm")),
+        pytest.param(
+            "resume_vlm_auto", "vlm_auto", marks=pytest.mark.jobs("resume_vlm_auto", "vlm_auto")
+        ),
     ],
 )
 def test_resume_into_a_later_epoch(runs: dict, name: str, full: str) -> None:
