@@ -236,6 +236,7 @@ class RunSummary(L.Callback):
         self.step_ends: list[float] = []
         self.step_s: list[float] = []  # optimizer step times after the warm-up steps
         self.trained: dict[int, list[int]] = {}  # optimizer step -> this rank's sample ids
+        self.epochs_taken: list[str] = []  # mode="auto": each epoch's plan (plain or formed)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.start = time.perf_counter()
@@ -267,6 +268,8 @@ class RunSummary(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loader = trainer.datamodule.loader
         plan = loader.sampler.plan()
+        if plan.epoch_choice is not None:
+            self.epochs_taken.append(plan.epoch_choice["taken"])
         # tokens of the packs every rank trained on in this run (padding packs hold none)
         self.tokens += sum(
             int(plan.pack_tokens[[i for i in ids[loader.start : loader.consumed] if i >= 0]].sum())
@@ -295,6 +298,7 @@ class RunSummary(L.Callback):
             "packs_per_rank": plan.packs_per_rank,
             "padding_packs": plan.padding_packs,
             "source_balanced": sampler.balanced,
+            "epochs_taken": self.epochs_taken,
             "final_loss": round(float(trainer.callback_metrics.get("train/loss", float("nan"))), 4),
             # every mode trains the same samples: the mean over the run compares them
             "mean_loss": _mean_over_ranks(self.losses),
@@ -492,7 +496,12 @@ def fit_mode(
         vocab_size=256,
         seed=args.seed,
         num_workers=args.num_workers,
-        balance=(cost_model or vb.CostModel()) if mode == "source" else None,
+        # "auto" may form an epoch at the source where that is predicted faster
+        balance=(cost_model or vb.CostModel())
+        if mode == "source"
+        else vb.SourceBalance(cost_model=cost_model or vb.CostModel(), when="auto")
+        if mode == "auto"
+        else None,
         read_ahead=args.read_ahead,
     )
     model = ToyVLM(
@@ -949,8 +958,11 @@ def _print(summary: dict[str, Any], args: argparse.Namespace) -> None:
     for mode, s in modes.items():
         if "choices" in s and s["steps_per_s_median"] > 0:  # mode="auto" (first round)
             measured = 1000.0 / s["steps_per_s_median"]
+            epochs = s.get("epochs_taken") or []
+            formed = sum(t != "plain" for t in epochs)
             lines.append(
-                f"\n{mode} took {s['choices']} (first round); its predicted step (median)"
+                f"\n{mode} formed {formed} of {len(epochs)} epochs at the source ({epochs}) and"
+                f" took {s['choices']} (first round); its predicted step (median)"
                 f" {s['predicted_step_ms_median']:,.0f} ms against {measured:,.0f} ms measured"
                 f" (median, all rounds): {s['predicted_step_ms_median'] / measured:.2f}x."
             )

@@ -31,6 +31,7 @@ from examples.train import (
     run_line,
     schedule,
 )
+from lightning_vlmbalance.balance.epoch_choice import PLANS
 from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 from tests.launch import run_module
 
@@ -205,7 +206,10 @@ def test_the_main_job_compares_the_modes_on_the_same_samples(main_job) -> None:
         "both",
     }
     assert auto["predicted_step_ms_median"] > 0
-    assert re.search(r"^auto took \{.*\} \(first round\); its predicted step", stdout, re.M)
+    # ... and per epoch whether to form it at the source (the plain plan or a formed one)
+    assert auto["epochs_taken"] and set(auto["epochs_taken"]) <= set(PLANS)
+    line = r"^auto formed \d+ of \d+ epochs at the source \(.*\) and took \{.*\} \(first round\);"
+    assert re.search(line + " its predicted step", stdout, re.M)
     # "best" is chosen on the headline figure
     best = max(("overlap", "source", "encoder", "auto"), key=lambda m: modes[m]["tokens_per_s"])
     assert summary["best_mode"] == best and summary["gain_vs_off"] == modes[best]["gain_vs_off"]
