@@ -337,6 +337,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         # how the strategy's loader trains an epoch (decide_epochs), and each epoch's decision
         self._runtime: EpochRuntime | None = None
         self._epoch_choices: dict[tuple, EpochChoice] = {}
+        # (epoch, last epoch, optimizer steps left from it): set_fit_end
+        self._fit_end: tuple[int, int | None, int | None] | None = None
         self.images = _column(images, "images", (self.image_tokens > 0).astype(np.int64))
         check_length_table(self.total_tokens, self.image_tokens)
         check_image_counts(self.images, self.image_tokens)
@@ -500,9 +502,29 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
                 self.planned_ahead += 1
             kept = {e: p for e, p in self._plans.items() if e == self.epoch and e != epoch}
             self._plans = {**kept, epoch: plan}
-            if self.source_balance is not None and self.source_balance.plan_ahead:
+            balance = self.source_balance
+            if balance is not None and balance.plan_ahead and self._trains_after(epoch, plan):
                 self._ahead.start(self._settings(epoch + 1), self._build)
         return plan
+
+    def set_fit_end(self, epoch: int, *, last_epoch: int | None, steps_left: int | None) -> None:
+        """Where the fit ends, as its trainer says at ``epoch`` (the loader tells the sampler):
+        the last epoch it trains (``None``: no limit), and the optimizer steps it has left
+        from there (``None``: no limit). An epoch after the fit's end is not planned ahead
+        (with ``mode="auto"`` its decision prices three plans, in the background while the
+        step trains: 5% of a short CPU fit's time, for an epoch never trained)."""
+        self._fit_end = (int(epoch), last_epoch, steps_left)
+
+    def _trains_after(self, epoch: int, plan: EpochPlan) -> bool:
+        """Whether the fit may train the epoch after ``epoch`` (whose plan is ``plan``)."""
+        if self._fit_end is None:
+            return True
+        told, last_epoch, steps_left = self._fit_end
+        if last_epoch is not None and epoch + 1 > last_epoch:
+            return False
+        if steps_left is None or epoch != told:
+            return True
+        return steps_left > -(-plan.packs_per_rank // max(1, self.micro_steps))
 
     def _settings(self, epoch: int) -> tuple:
         # the epoch's cost models (CostModel compares by value): an ahead plan of other models
@@ -716,6 +738,13 @@ class PackedDataLoader(DataLoaderSettings):
             self.sampler.set_data_parallel(step.world.size, step.world.rank)
         if self.sampler.balanced:
             self.sampler.set_micro_steps(step.micro_steps, step.objective)
+            trainer = self.trainer
+            max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
+            self.sampler.set_fit_end(
+                seam.epoch_to_train(trainer),
+                last_epoch=max_epochs - 1 if max_epochs is not None and max_epochs > 0 else None,
+                steps_left=max_steps - trainer.global_step if max_steps and max_steps > 0 else None,
+            )
 
     def __len__(self) -> int:
         self._adopt_data_parallel()

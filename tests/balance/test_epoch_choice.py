@@ -185,3 +185,24 @@ def test_with_images_routed_the_packs_are_also_priced_formed_by_their_language_m
         "plain_ms",
         "formed_ms",
     }
+
+
+def test_no_epoch_after_the_fits_end_is_planned_ahead() -> None:
+    """A fit that ends in this epoch (its last epoch, or its last optimizer step within it)
+    does not plan the next one in the background (under auto: three plans priced)."""
+
+    def ahead(**fit_end) -> int | None:
+        balance = vb.SourceBalance(micro_steps=4, objective="step")  # plans ahead
+        s = _raw(IMAGES, balance=balance)
+        s.decide_epochs(_runtime())
+        s.set_fit_end(0, **fit_end)
+        s.use_cost_model(s.cost_model)  # drops the plans made so far
+        s.plan(0)
+        pending = s._ahead._pending
+        return None if pending is None else pending["settings"][0]
+
+    steps = -(-_raw(IMAGES, balance=vb.SourceBalance(micro_steps=4)).plan().packs_per_rank // 4)
+    assert ahead(last_epoch=None, steps_left=None) == 1
+    assert ahead(last_epoch=0, steps_left=None) is None
+    assert ahead(last_epoch=3, steps_left=steps) is None  # the steps end with this epoch
+    assert ahead(last_epoch=3, steps_left=steps + 1) == 1
