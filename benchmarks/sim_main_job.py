@@ -8,6 +8,12 @@ ranks meet once per optimizer step under ``vlmbalance`` and at every micro-step 
 ``fsdp_vlmbalance`` (read from the log's first round's strategy flag, ``--strategy``). The
 job's ``encoder`` mode orders each rank's packs over its micro-steps (``encoder_overlap``).
 
+Each mode is simulated twice: on the cost model's times (``simulated_waste``), and with the
+times off by that model's own error (``simulated_waste_jittered``: ``simulate(jitter=...)``,
+the relative error's standard deviation taken as ``sqrt(pi / 2)`` times the held-out mean
+absolute percentage error of the last refit the mode adopted, as for a normal error; the
+plans and choices are still made on the predicted times, as the job made them).
+
     python benchmarks/sim_main_job.py LOG [--strategy fsdp_vlmbalance] --json
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,17 +49,11 @@ def compare(log: Path, strategy: str) -> list[dict[str, Any]]:
     rows = []
     for mode, measured in summary["modes"].items():
         model = CostModel.from_dict(measured["final_model"])
-        (row,) = simulate(
-            table,
-            seq_len=args.seq_len,
-            cost_model=model,
-            dp=[summary["ranks"]],
-            ga=[args.accumulate],
-            modes=[SIM_MODE.get(mode, mode)],
-            replay=True,
-            batches=measured["optimizer_steps"],
-            seed=args.seed,
-            sync_every=SYNC[strategy],
+        jitter = model_error(measured)
+        steps = measured["optimizer_steps"]
+        row, noisy = (
+            _simulated(table, args, summary, strategy, mode, model, steps, error)
+            for error in (0.0, jitter)
         )
         rows.append(
             {
@@ -60,11 +61,48 @@ def compare(log: Path, strategy: str) -> list[dict[str, Any]]:
                 "simulated_waste": round(row["waste_frac"], 4),
                 "measured_waiting": measured["waste_frac"],
                 "ratio": round(row["waste_frac"] / measured["waste_frac"], 3),
+                "jitter": round(jitter, 4),
+                "simulated_waste_jittered": round(noisy["waste_frac"], 4),
+                "ratio_jittered": round(noisy["waste_frac"] / measured["waste_frac"], 3),
                 "auto_formed_at_source": row.get("formed_at_source"),
                 "auto_choices": row.get("choices"),
             }
         )
     return rows
+
+
+def _simulated(
+    table: Any,
+    args: argparse.Namespace,
+    summary: dict[str, Any],
+    strategy: str,
+    mode: str,
+    model: CostModel,
+    steps: int,
+    jitter: float,
+) -> dict[str, Any]:
+    """The simulator's row of one mode at the job's setting."""
+    (row,) = simulate(
+        table,
+        seq_len=args.seq_len,
+        cost_model=model,
+        dp=[summary["ranks"]],
+        ga=[args.accumulate],
+        modes=[SIM_MODE.get(mode, mode)],
+        replay=True,
+        batches=steps,
+        seed=args.seed,
+        sync_every=SYNC[strategy],
+        jitter=jitter,
+    )
+    return row
+
+
+def model_error(measured: dict[str, Any]) -> float:
+    """The relative error of the mode's cost model as a standard deviation: ``sqrt(pi / 2)``
+    times the held-out MAPE of the last refit it adopted (0 without one)."""
+    errors = (measured.get("calibration") or {}).get("held_out_error") or []
+    return math.sqrt(math.pi / 2.0) * float(errors[-1][1]) if errors else 0.0
 
 
 def main() -> None:

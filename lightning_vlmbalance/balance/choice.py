@@ -253,6 +253,38 @@ class StepChoice:
         )
 
 
+def expected_max(mean: np.ndarray, sd: np.ndarray, points: int = 97) -> float:
+    """The expected maximum of independent normal times ``N(mean[r], sd[r]^2)``: the wait of a
+    meeting whose ranks' times are predicted with an error. ``E[max] = lo + integral from lo
+    of P(max > t)``, where ``lo`` is a time the maximum is below only with probability
+    ``Phi(-8)``, on a grid of ``points`` (the trapezoid rule; vectorised over the ranks)."""
+    mean = np.asarray(mean, dtype=np.float64)
+    sd = np.asarray(sd, dtype=np.float64)
+    if not (sd > 0).any():
+        return float(mean.max())
+    lo = float((mean - 8.0 * sd).max())
+    hi = float((mean + 8.0 * sd).max())
+    t = np.linspace(lo, hi, points)
+    noisy = sd > 0
+    z = (t[:, None] - mean[None, noisy]) / sd[None, noisy]
+    log_cdf = np.log(np.maximum(_normal_cdf(z), 1e-300)).sum(axis=1)
+    fixed = mean[~noisy]  # a rank without error: below its time the maximum cannot be
+    below = (t[:, None] < fixed[None, :]).any(axis=1) if len(fixed) else np.zeros(len(t), bool)
+    above = np.where(below, 1.0, 1.0 - np.exp(log_cdf))
+    return lo + float(np.sum((above[1:] + above[:-1]) * np.diff(t)) / 2.0)
+
+
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    """The standard normal CDF (Abramowitz and Stegun 7.1.26 for erf: error below 1.5e-7)."""
+    x = np.abs(z) / np.sqrt(2.0)
+    k = 1.0 / (1.0 + 0.3275911 * x)
+    poly = k * (
+        0.254829592 + k * (-0.284496736 + k * (1.421413741 + k * (-1.453152027 + k * 1.061405429)))
+    )
+    erf = 1.0 - poly * np.exp(-x * x)
+    return np.where(z >= 0, 0.5 * (1.0 + erf), 0.5 * (1.0 - erf))
+
+
 def met_step_ms(
     work: np.ndarray,
     *,
@@ -260,13 +292,21 @@ def met_step_ms(
     meetings: np.ndarray | None = None,
     encoder: np.ndarray | None = None,
     language: np.ndarray | None = None,
+    jitter: float = 0.0,
 ) -> float:
     """The step of ``work[r, m]`` (rank ``r``'s time at micro-step ``m``) as the ranks meet:
     once at its end, or at every micro-step. Where ``meetings[m]``, micro-step ``m`` is split
     into ``encoder`` and ``language`` (``work = encoder + language`` there) with a meeting
     after each: it costs the slowest encoder plus the slowest language model, and everything
-    each rank did since the last meeting waits for the slowest before it."""
+    each rank did since the last meeting waits for the slowest before it.
+
+    ``jitter``: the relative error of each predicted time (its standard deviation over its
+    value, independent between ranks and pieces of work): each meeting then costs the
+    expected maximum of the ranks' times (:func:`expected_max`), so that every meeting
+    exposes the error (0: the predicted times are the times)."""
     W, G = work.shape
+    if jitter > 0:
+        return _met_with_error(work, meets_every_micro_batch, meetings, encoder, language, jitter)
     if meetings is None or not meetings.any():
         if meets_every_micro_batch:
             return float(work.max(axis=0).sum())
@@ -284,17 +324,51 @@ def met_step_ms(
     return spent + float(since.max())
 
 
+def _met_with_error(
+    work: np.ndarray,
+    meets: bool,
+    meetings: np.ndarray | None,
+    encoder: np.ndarray | None,
+    language: np.ndarray | None,
+    jitter: float,
+) -> float:
+    """:func:`met_step_ms` where each piece of work is off by ``jitter`` of itself."""
+    W, G = work.shape
+    routed = meetings if meetings is not None else np.zeros(G, dtype=bool)
+    spent, since, var = 0.0, np.zeros(W), np.zeros(W)
+
+    def meet(mean: np.ndarray, variance: np.ndarray) -> float:
+        return expected_max(mean, np.sqrt(variance))
+
+    for m in range(G):
+        if routed[m]:
+            assert encoder is not None and language is not None
+            spent += meet(since + encoder[:, m], var + (jitter * encoder[:, m]) ** 2)
+            spent += meet(language[:, m], (jitter * language[:, m]) ** 2)
+            since[:], var[:] = 0.0, 0.0
+        elif meets:
+            spent += meet(work[:, m], (jitter * work[:, m]) ** 2)
+        else:
+            since += work[:, m]
+            var += (jitter * work[:, m]) ** 2
+    return spent + meet(since, var)
+
+
 def _thread(off_path_ms: float, busy_ms: float, threaded: bool) -> float:
     """What off-path work costs the step: all of it in line, the excess over the step (which
     hides it: the next global batch is prepared while this one trains) in a thread."""
     return max(0.0, off_path_ms - busy_ms) if threaded else off_path_ms
 
 
-def price_placed(inputs: StepInputs, *, meets_every_micro_batch: bool) -> float:
+def price_placed(
+    inputs: StepInputs, *, meets_every_micro_batch: bool, jitter: float = 0.0
+) -> float:
     """The step with every pack where it is."""
     W = inputs.num_replicas
     return met_step_ms(
-        inputs.pack_ms.reshape(W, -1), meets_every_micro_batch=meets_every_micro_batch
+        inputs.pack_ms.reshape(W, -1),
+        meets_every_micro_batch=meets_every_micro_batch,
+        jitter=jitter,
     )
 
 
@@ -306,12 +380,14 @@ def price_packs(
     meets_every_micro_batch: bool,
     threaded: bool,
     plan_ms: float = 0.0,
+    jitter: float = 0.0,
 ) -> tuple[float, float]:
     """The step with ``plan``'s packs moved, and what of its exchange is exposed."""
     W = inputs.num_replicas
     busy = met_step_ms(
         inputs.pack_ms[plan.assignment[:, :, 0]],
         meets_every_micro_batch=meets_every_micro_batch,
+        jitter=jitter,
     )
     moves = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 3)
     exposed = _thread(plan_ms + transfer.exchange_ms(moves, inputs.pack_bytes, W), busy, threaded)
@@ -326,6 +402,7 @@ def price_routing(
     threaded: bool,
     plan_ms: float = 0.0,
     moved_packs_ms: float = 0.0,
+    jitter: float = 0.0,
 ) -> tuple[float, float]:
     """The step with ``routing``'s images (and, before it, packs moved in ``moved_packs_ms``),
     and what of the off-path work is exposed: the micro-steps that move an image are
@@ -353,6 +430,7 @@ def price_routing(
         meetings=meetings,
         encoder=routing.load_ms,
         language=routing.llm_ms,
+        jitter=jitter,
     )
     sent = (
         transfer.transfer_ms(np.concatenate(src), np.concatenate(dst), np.concatenate(pixels), W)
@@ -376,7 +454,12 @@ def _routed(inputs: StepInputs, *, reorder: bool) -> ImageRouting:
 
 
 def _priced_images(
-    inputs: StepInputs, transfer: Transfer, meets: bool, threaded: bool, plan_ms: float
+    inputs: StepInputs,
+    transfer: Transfer,
+    meets: bool,
+    threaded: bool,
+    plan_ms: float,
+    jitter: float = 0.0,
 ) -> tuple[tuple[float, float], ImageRouting]:
     """``images``: the cheaper of routing as the packs come and with each rank's own packs
     ordered over its micro-steps for even vision work (with more than one micro-step)."""
@@ -384,7 +467,12 @@ def _priced_images(
     for reorder in (False, True) if inputs.micro_steps > 1 else (False,):
         routing = _routed(inputs, reorder=reorder)
         price = price_routing(
-            routing, transfer, meets_every_micro_batch=meets, threaded=threaded, plan_ms=plan_ms
+            routing,
+            transfer,
+            meets_every_micro_batch=meets,
+            threaded=threaded,
+            plan_ms=plan_ms,
+            jitter=jitter,
         )
         if best is None or price[0] < best[0][0]:
             best = (price, routing)
@@ -399,6 +487,7 @@ def _priced_both(
     threaded: bool,
     plan_ms: float,
     tolerance: float,
+    jitter: float = 0.0,
 ) -> tuple[tuple[float, float], ImageRouting, RebalancePlan]:
     """``both``: packs moved to balance every micro-step's language model, then their images
     routed (the routing over the packs as moved)."""
@@ -420,6 +509,7 @@ def _priced_both(
         threaded=threaded,
         plan_ms=plan_ms,
         moved_packs_ms=transfer.exchange_ms(moves, inputs.pack_bytes, W),
+        jitter=jitter,
     )
     return price, routing, plan
 
@@ -435,6 +525,7 @@ def choose_step(
     tolerance: float = 0.0,
     plan_ms: float = 0.0,
     overhead_ms: float = 0.0,
+    jitter: float = 0.0,
 ) -> StepChoice:
     """Prices each of ``options`` for one global batch and takes the cheapest (see the module
     docstring).
@@ -453,6 +544,9 @@ def choose_step(
             number: the choice depends on it; the runtime gives 0, the simulator a constant).
         overhead_ms: time every step takes beyond the ranks' compute (the optimizer step,
             the gradient reduction): added to every price alike.
+        jitter: the relative error of each predicted time (:func:`met_step_ms`): every
+            meeting then costs the ranks' expected maximum, which prices the meetings that
+            routing adds (0, the runtime's: the predicted times are the times).
 
     Raises:
         ValueError: for an unknown or empty set of options.
@@ -470,7 +564,8 @@ def choose_step(
     routings: dict[str, ImageRouting] = {}
     origin = np.repeat(np.arange(W, dtype=np.int64), G)
     if "placed" in options or W == 1:
-        prices["placed"], exposed["placed"] = price_placed(inputs, meets_every_micro_batch=meets), 0
+        prices["placed"] = price_placed(inputs, meets_every_micro_batch=meets, jitter=jitter)
+        exposed["placed"] = 0.0
     if W > 1 and "packs" in options:
         pack_plan = plan_rebalance(
             np.rint(inputs.pack_ms * 1000.0).astype(np.int64),
@@ -487,14 +582,15 @@ def choose_step(
             meets_every_micro_batch=meets,
             threaded=threaded,
             plan_ms=plan_ms,
+            jitter=jitter,
         )
     if W > 1 and "images" in options:
         (prices["images"], exposed["images"]), routings["images"] = _priced_images(
-            inputs, transfer, meets, threaded, plan_ms
+            inputs, transfer, meets, threaded, plan_ms, jitter
         )
     if W > 1 and "both" in options:
         (prices["both"], exposed["both"]), routings["both"], both_plan = _priced_both(
-            inputs, transfer, meets, threaded, plan_ms, tolerance
+            inputs, transfer, meets, threaded, plan_ms, tolerance, jitter
         )
     # the choice is made on the prices alone (the overhead, this rank's own estimate, only
     # shifts every price alike for the report)
@@ -513,6 +609,49 @@ def choose_step(
         prices={o: p + overhead_ms for o, p in prices.items()},
         plans=plans,
     ).taking(option)
+
+
+def price_taken(
+    choice: StepChoice,
+    inputs: StepInputs,
+    transfer: Transfer,
+    *,
+    meets_every_micro_batch: bool,
+    threaded: bool,
+    plan_ms: float = 0.0,
+    jitter: float = 0.0,
+) -> tuple[float, float]:
+    """The step of the option ``choice`` took and its exposed part, priced again with its own
+    plans: with a ``jitter`` the choice was not made with, what its step is when the times
+    are off by that much (the simulator's realised step of a decision made on predictions)."""
+    meets = meets_every_micro_batch
+    if choice.option == "placed" or inputs.num_replicas == 1:
+        return price_placed(inputs, meets_every_micro_batch=meets, jitter=jitter), 0.0
+    if choice.option == "packs":
+        assert choice.pack_plan is not None
+        return price_packs(
+            inputs,
+            choice.pack_plan,
+            transfer,
+            meets_every_micro_batch=meets,
+            threaded=threaded,
+            plan_ms=plan_ms,
+            jitter=jitter,
+        )
+    assert choice.routing is not None
+    moved = 0.0
+    if choice.pack_plan is not None:  # both: the packs moved before the routing
+        moves = np.asarray(choice.pack_plan.moves, dtype=np.int64).reshape(-1, 3)
+        moved = transfer.exchange_ms(moves, inputs.pack_bytes, inputs.num_replicas)
+    return price_routing(
+        choice.routing,
+        transfer,
+        meets_every_micro_batch=meets,
+        threaded=threaded,
+        plan_ms=plan_ms,
+        moved_packs_ms=moved,
+        jitter=jitter,
+    )
 
 
 def choice_stats(choice: StepChoice, scale: float = 1.0) -> Mapping[str, float]:

@@ -66,6 +66,7 @@ from lightning_vlmbalance.balance.choice import (
     price_packs,
     price_placed,
     price_routing,
+    price_taken,
 )
 from lightning_vlmbalance.balance.config import RebalanceConfig
 from lightning_vlmbalance.balance.cost import CostModel, features_from_packs
@@ -488,6 +489,7 @@ def simulate(
     progress: Callable[[int], Any] | None = None,
     rebalance: RebalanceConfig | None = None,
     stream_buffer: int | None = None,
+    jitter: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Simulates every (mode, dp, ga); see the module docstring.
 
@@ -519,6 +521,12 @@ def simulate(
             the map-style sampler's global plan, for every mode but ``budget`` and
             ``source``; rows then have ``stream_tail_frac``, the padding packs' share of the
             epoch's micro-batches (:func:`stream_padding_share`).
+        jitter: the relative error of the cost model's time of each piece of work (standard
+            deviation over the value, independent between ranks): the plans and ``auto``'s
+            choices are made on the predicted times, and each step is the expected step of
+            times off by that much (every meeting the ranks' expected maximum:
+            :func:`~lightning_vlmbalance.balance.choice.met_step_ms`). 0: the predicted times
+            are the times. The main job's is about its cost model's held-out error.
 
     Returns:
         One dict per configuration: ``mode``, ``dp``, ``ga``, ``step_ms`` (mean),
@@ -566,6 +574,7 @@ def simulate(
                     plan=plan,
                     overhead_ms=overhead(R),
                     progress=progress,
+                    jitter=jitter,
                 )
             )
     return rows
@@ -649,6 +658,7 @@ def _configuration_rows(
     plan: RebalanceConfig,
     overhead_ms: float,
     progress: Callable[[int], Any] | None,
+    jitter: float = 0.0,
 ) -> list[dict[str, Any]]:
     """The rows of every mode at one ``(dp, ga) = (R, G)``, with their gains over ``off``.
     ``source`` and ``encoder_source`` share one source pool, formed from ``off``'s samples."""
@@ -678,7 +688,18 @@ def _configuration_rows(
 
     def run(mode: str, p: _Pool | _SourcePool, draws: list[np.ndarray], **kw: Any) -> dict:
         return _run(
-            mode, p, draws, R, G, sync_objective, plan, pools.exchange, overhead_ms, progress, **kw
+            mode,
+            p,
+            draws,
+            R,
+            G,
+            sync_objective,
+            plan,
+            pools.exchange,
+            overhead_ms,
+            progress,
+            jitter=jitter,
+            **kw,
         )
 
     for mode in modes:
@@ -800,15 +821,18 @@ def _priced(
     plan_config: RebalanceConfig,
     exchange: ExchangeModel,
     options: Sequence[str],
+    jitter: float = 0.0,
 ) -> tuple[float, float, float, float, str]:
     """One global batch of ``mode``: its step (compute as the ranks meet, and the exposed
     part of the off-path work), the exposed part alone, packs moved, images moved, and the
     option ``auto`` took (the mode's own otherwise). Every mode is priced by the functions
-    ``mode="auto"`` decides with (:mod:`~lightning_vlmbalance.balance.choice`)."""
+    ``mode="auto"`` decides with (:mod:`~lightning_vlmbalance.balance.choice`); plans and
+    choices on the predicted times, the step off by ``jitter`` (``simulate``)."""
     transfer = exchange.transfer
     inputs = _inputs(p, draw, R)
     if R == 1 or mode in ("off", "budget", "source"):
-        return price_placed(inputs, meets_every_micro_batch=meets), 0.0, 0.0, 0.0, "placed"
+        placed = price_placed(inputs, meets_every_micro_batch=meets, jitter=jitter)
+        return placed, 0.0, 0.0, 0.0, "placed"
     if mode == "auto":
         choice = choose_step(
             inputs,
@@ -822,7 +846,18 @@ def _priced(
         )
         packs = len(choice.pack_plan.moves) if choice.pack_plan is not None else 0
         images = choice.routing.moved_images if choice.routing is not None else 0
-        return choice.step_ms, choice.exposed_ms, float(packs), float(images), choice.option
+        step, exposed = choice.step_ms, choice.exposed_ms
+        if jitter > 0:  # chosen on the predicted times, run on times off by the jitter
+            step, exposed = price_taken(
+                choice,
+                inputs,
+                transfer,
+                meets_every_micro_batch=meets,
+                threaded=True,
+                plan_ms=exchange.plan_ms,
+                jitter=jitter,
+            )
+        return step, exposed, float(packs), float(images), choice.option
     if mode in ("sync", "overlap"):
         plan = plan_rebalance(
             np.rint(inputs.pack_ms * 1000.0).astype(np.int64),
@@ -839,6 +874,7 @@ def _priced(
             meets_every_micro_batch=meets,
             threaded=mode == "overlap",
             plan_ms=exchange.plan_ms,
+            jitter=jitter,
         )
         return step, exposed, float(len(plan.moves)), 0.0, "packs"
     routing = route_images(
@@ -851,7 +887,12 @@ def _priced(
         reorder=_REORDER[mode] and inputs.micro_steps > 1,
     )
     step, exposed = price_routing(
-        routing, transfer, meets_every_micro_batch=meets, threaded=True, plan_ms=exchange.plan_ms
+        routing,
+        transfer,
+        meets_every_micro_batch=meets,
+        threaded=True,
+        plan_ms=exchange.plan_ms,
+        jitter=jitter,
     )
     return step, exposed, 0.0, float(routing.moved_images), "images"
 
@@ -868,6 +909,7 @@ def _run(
     overhead_ms: float,
     progress: Callable[[int], Any] | None,
     options: Sequence[str] = OPTIONS,
+    jitter: float = 0.0,
 ) -> dict[str, Any]:
     steps, ideals, moved, exposed, tokens, bounds = [], [], [], [], [], []
     images_moved: list[float] = []
@@ -875,7 +917,7 @@ def _run(
     meets = objective != "step"
     for draw in draws:
         step, exposed_ms, packs, n_images, option = _priced(
-            mode, p, draw, R, meets, plan_config, exchange, options
+            mode, p, draw, R, meets, plan_config, exchange, options, jitter
         )
         chosen[option] = chosen.get(option, 0) + 1
         steps.append(step + overhead_ms)

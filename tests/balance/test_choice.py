@@ -223,3 +223,61 @@ def test_options_belong_to_auto_and_the_strategies_take_them() -> None:
     assert fsdp.rebalancer.config.options == ("packs",)
     with pytest.raises(ValueError, match="expected some of"):
         vb.VLMBalanceStrategy(options=("bogus",))
+
+
+def test_expected_max_is_the_mean_of_the_slowest_of_normal_times() -> None:
+    from lightning_vlmbalance.balance.choice import expected_max
+
+    # two equal ranks, each off by one: the slower is 1/sqrt(pi) above the mean
+    assert expected_max(np.array([10.0, 10.0]), np.array([1.0, 1.0])) == pytest.approx(
+        10 + 1 / np.sqrt(np.pi), abs=1e-5
+    )
+    # one rank exact: the other is slower half the time
+    assert expected_max(np.array([10.0, 10.0]), np.array([0.0, 1.0])) == pytest.approx(
+        10 + 1 / np.sqrt(2 * np.pi), abs=1e-3
+    )
+    rng = np.random.default_rng(0)
+    mean, sd = rng.uniform(5, 10, 32), rng.uniform(0, 2, 32)
+    sampled = (mean + sd * rng.standard_normal((100_000, 32))).max(axis=1).mean()
+    assert expected_max(mean, sd) == pytest.approx(sampled, rel=2e-3)
+    assert expected_max(mean, np.zeros(32)) == mean.max()
+
+
+def test_a_jitter_makes_every_meeting_cost_more_and_zero_changes_nothing() -> None:
+    from lightning_vlmbalance.balance.choice import met_step_ms
+
+    even = np.full((2, 2), 2.0)  # two ranks, two micro-steps of 2 ms each
+    for meets in (False, True):
+        exact = met_step_ms(even, meets_every_micro_batch=meets)
+        assert exact == 4.0
+        assert met_step_ms(even, meets_every_micro_batch=meets, jitter=0.0) == exact
+    # off by 10%: meeting once per step exposes the sum's error once (4 + 0.2 sqrt(2)/sqrt(pi)),
+    # at every micro-step each micro-step's (2 x (2 + 0.2/sqrt(pi))): more meetings, more wait
+    once = met_step_ms(even, meets_every_micro_batch=False, jitter=0.1)
+    every = met_step_ms(even, meets_every_micro_batch=True, jitter=0.1)
+    assert once == pytest.approx(4 + 0.2 * np.sqrt(2 / np.pi), abs=1e-4)
+    assert every == pytest.approx(4 + 0.4 / np.sqrt(np.pi), abs=1e-4)
+    # a rank far ahead is never the slowest: the error then costs (almost) nothing
+    uneven = np.array([[3.0, 1.0], [1.0, 3.0]])
+    assert met_step_ms(uneven, meets_every_micro_batch=True, jitter=0.1) == pytest.approx(6.0)
+
+
+def test_price_taken_reprices_the_chosen_plans() -> None:
+    from lightning_vlmbalance.balance.choice import price_taken
+
+    inputs = _inputs([10.0, 1.0, 1.0, 10.0], [[], [1.0], [1.0], []])
+    transfer = Transfer(bandwidth_gb_s=1e9, latency_ms=0.0)
+    for option in ("placed", "packs", "images", "both"):
+        choice = choose_step(
+            inputs,
+            options=(option,),
+            objective="step",
+            meets_every_micro_batch=False,
+            threaded=True,
+            transfer=transfer,
+        )
+        kw = {"meets_every_micro_batch": False, "threaded": True}
+        step, _ = price_taken(choice, inputs, transfer, **kw)
+        assert step == pytest.approx(choice.step_ms), option  # the same plans, the same price
+        noisy, _ = price_taken(choice, inputs, transfer, jitter=0.1, **kw)
+        assert noisy > step, option
