@@ -286,6 +286,15 @@ class Rebalancer:
                 if config.mode == "auto"
                 else None
             )
+            if sampler.source_balance.llm_only and not config.encoder:
+                warnings.warn(
+                    "`SourceBalance(llm_only=True)` forms the packs by their language model's"
+                    " cost and leaves the vision encoder's to the image routing, but"
+                    f" `{type(self.strategy).__name__}` routes no image (`encoder=False`): the"
+                    " encoder's work stays where the packs put it. Use `encoder=True`, or"
+                    " `llm_only=None` (priced per epoch where images are routed)",
+                    stacklevel=2,
+                )
         if self.loader is not None:  # a reload: stop the old loader's pass
             self.loader.close()
         self._logged_batches = 0

@@ -130,6 +130,10 @@ class SourceBalance:
             )
         if self.when not in ("auto", "always"):
             raise ValueError(f"`SourceBalance(when={self.when!r})`: expected 'auto' or 'always'")
+        if not (self.llm_only is None or isinstance(self.llm_only, bool)):
+            raise ValueError(
+                f"`SourceBalance(llm_only={self.llm_only!r})`: expected True, False or None"
+            )
         for name in ("slack", "small_tokens", "lookahead"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"`SourceBalance({name}={getattr(self, name)!r})` must be >= 0")

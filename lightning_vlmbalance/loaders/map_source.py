@@ -371,9 +371,11 @@ class MapPackSource:
                 saved, naming each difference.
         """
         saved, current = state["fingerprint"], self.sampler.fingerprint()
-        diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+        diff = _differences(saved, current)
         if diff:
-            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            shown = [f"{k}: saved {_short(a)}, now {_short(b)}" for k, a, b in diff[:8]]
+            more = f", and {len(diff) - 8} more" if len(diff) > 8 else ""
+            detail = ", ".join(shown) + more
             raise ValueError(
                 "cannot resume the PackedDataLoader: the packing settings or the dataset changed"
                 f" since the checkpoint ({detail})"
@@ -388,6 +390,23 @@ class MapPackSource:
         log.info(
             "PackedDataLoader resumes epoch %d at pack %d", self._resume_epoch, self._resume_at
         )
+
+
+def _differences(saved: Any, current: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """The settings that differ, by dotted path into nested dicts (``balance.runtime.options``),
+    each with its saved and current value."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out: list[tuple[str, Any, Any]] = []
+        for key in [*current, *(k for k in saved if k not in current)]:
+            sub = f"{path}.{key}" if path else str(key)
+            out += _differences(saved.get(key), current.get(key), sub)
+        return out
+    return [] if saved == current else [(path, saved, current)]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class PassSources:

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 _NO_TRAINER: Any = object()  # PackedDataLoader(trainer=...) not given
 # epochs a loader plans ahead, before its first pass, for Lightning's step estimate
 ESTIMATE_EPOCHS = 16
+# the plan an evaluation pass reads: epoch 0's as first made, kept (PackingSampler.plan)
+EVALUATION = -1
 
 
 def _as_source_balance(
@@ -338,6 +340,7 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         self._runtime: EpochRuntime | None = None
         self._epoch_choices: dict[tuple, EpochChoice] = {}
         # (epoch, last epoch, optimizer steps left from it): set_fit_end
+        self._evaluation: tuple[tuple, EpochPlan] | None = None  # _evaluation_plan
         self._fit_end: tuple[int, int | None, int | None] | None = None
         self.images = _column(images, "images", (self.image_tokens > 0).astype(np.int64))
         check_length_table(self.total_tokens, self.image_tokens)
@@ -492,6 +495,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         (the former runs as machine code without the GIL), so a new epoch finds its plan ready
         instead of computing it on the step's path."""
         epoch = self.epoch if epoch is None else int(epoch)
+        if epoch == EVALUATION:
+            return self._evaluation_plan()
         plan = self._plans.get(epoch)
         if plan is None:
             settings = self._settings(epoch)
@@ -506,6 +511,17 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
             if balance is not None and balance.plan_ahead and self._trains_after(epoch, plan):
                 self._ahead.start(self._settings(epoch + 1), self._build)
         return plan
+
+    def _evaluation_plan(self) -> EpochPlan:
+        """``plan(EVALUATION)``: epoch 0's plan as it was first made for these ranks and
+        micro-steps, kept: refits adopted later (which re-plan epoch 0 for a balanced
+        sampler, and may decide it otherwise) do not change what an evaluation pass reads."""
+        self._sync_with_process_group()
+        key = (self.num_replicas, self.micro_steps, self.objective, self._runtime)
+        if self._evaluation is None or self._evaluation[0] != key:
+            plan = self._plans.get(0) or self._build(self._settings(0))
+            self._evaluation = (key, plan)
+        return self._evaluation[1]
 
     def set_fit_end(self, epoch: int, *, last_epoch: int | None, steps_left: int | None) -> None:
         """Where the fit ends, as its trainer says at ``epoch`` (the loader tells the sampler):
@@ -757,7 +773,7 @@ class PackedDataLoader(DataLoaderSettings):
                 packs = max(packs, self._longest_plan(epoch))
             return packs
         if self.trainer is not None:  # validation, test, predict: epoch 0's plan, every time
-            return self.sampler.packs_per_rank(0)
+            return self.sampler.packs_per_rank(EVALUATION)
         told = len(self.sampler)
         if self._told_len is None:  # the first answer is the one a Trainer keeps
             self._told_len = told
@@ -786,11 +802,13 @@ class PackedDataLoader(DataLoaderSettings):
     def _plan_epoch(self, epoch: int) -> int:
         """The plan read in ``epoch``: with ``Trainer(overfit_batches=N)`` the first ``N``
         packs of epoch 0's plan, every epoch. Outside training (a loader given its trainer for
-        validation, test or predict) epoch 0's plan, every time: Lightning reads an evaluation
-        loader's length once, and epochs plan different pack counts (a later, longer plan lost
-        its last packs: 297 of 300, then 296 of 300 validation samples)."""
+        validation, test or predict) epoch 0's plan as first made, every time
+        (:data:`EVALUATION`): Lightning reads an evaluation loader's length once, and epochs
+        plan different pack counts (a later, longer plan lost its last packs: 297 of 300, then
+        296 of 300 validation samples), as does epoch 0 re-planned with a refit adopted later
+        (282 of 300 validated)."""
         if self.trainer is not None and not self.trainer.training:
-            return 0
+            return EVALUATION
         return 0 if self._overfitting() else epoch
 
     # -- iteration ---------------------------------------------------------------------------

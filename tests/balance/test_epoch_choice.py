@@ -206,3 +206,28 @@ def test_no_epoch_after_the_fits_end_is_planned_ahead() -> None:
     assert ahead(last_epoch=0, steps_left=None) is None
     assert ahead(last_epoch=3, steps_left=steps) is None  # the steps end with this epoch
     assert ahead(last_epoch=3, steps_left=steps + 1) == 1
+
+
+def test_evaluation_reads_epoch_zeros_plan_as_first_made_whatever_is_adopted_later() -> None:
+    """A loader that also validates reads epoch 0's plan every time; refits adopted in later
+    epochs re-planned epoch 0 with the latest model, which decides it otherwise (plain, 41
+    packs per rank, then formed, 48: 282 of 300 samples validated in an outside try)."""
+    from lightning_vlmbalance.loaders.map_style import EVALUATION
+    from tests.packing.epoch_job import pack_heavy, sampler
+
+    s = sampler(seed=6, window=16, balance=True, num_replicas=2, rank=0, micro_steps=2, when="auto")
+    s.decide_epochs(_runtime(options=("placed", "packs")))
+    first = s.plan(EVALUATION)
+    assert first.epoch_choice["taken"] == "plain"
+    s.adopt_cost_model(pack_heavy(24), epoch=0, from_batch=2)
+    s.set_epoch(1)
+    s.plan(1)
+    s.adopt_cost_model(pack_heavy(30), epoch=1, from_batch=2)
+    assert s.plan(0).epoch_choice["taken"] == "formed"  # epoch 0 as now planned: other packs
+    assert s.plan(EVALUATION) is first  # what evaluation reads: as first made
+
+
+def test_llm_only_must_be_a_bool_or_none() -> None:
+    for bad in ("false", 1, "yes"):
+        with pytest.raises(ValueError, match="llm_only"):
+            vb.SourceBalance(llm_only=bad)

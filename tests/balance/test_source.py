@@ -24,7 +24,7 @@ from tests.balance.fits import fit as _fit
 from tests.balance.fits import fit_result as _result
 from tests.balance.fits import job as _job
 from tests.balance.fits import max_rel_diff as _max_rel_diff
-from tests.launch import ROOT, run_modules
+from tests.launch import ROOT, run_jobs, run_modules
 
 EPOCH = ("--samples", "300", "--epochs", "1", "--max-steps", "-1", "--accumulate", "3")
 AUTO = ("--strategy", "vlmbalance", *EPOCH, "--balance", "--mode", "auto", "--encoder")
@@ -149,6 +149,16 @@ def test_auto_resumed_mid_epoch_lands_on_the_same_decision_and_packs(fits, tmp_p
     for r in (0, 1):
         assert resumed[r]["seen"] == fits["auto"][r]["seen"][4 * 3 :]
         assert resumed[r]["epoch_choice"] == fits["auto"][r]["epoch_choice"]
+
+
+def test_llm_only_without_image_routing_is_told(tmp_path) -> None:
+    """``SourceBalance(llm_only=True)`` leaves the encoder's work to the image routing: without
+    ``encoder=True`` nothing routes it, and the user is told (an outside try found it silent)."""
+    args = ("--strategy", "vlmbalance", "--samples", "120", "--max-steps", "2")
+    flags = ("--accumulate", "2", "--balance", "--mode", "auto", "--balance-llm-only", "true")
+    (got,) = run_jobs({"fit": _job(tmp_path / "fit", *args, *flags)}).values()
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert "routes no image (`encoder=False`)" in got.stderr
 
 
 def _table(n: int = 6000) -> LengthTable:
