@@ -225,11 +225,6 @@ class GlobalBatchFormer(ImageRoutes):
         self.transfer = transfer if transfer is not None else Transfer()
         self.scale = scale
 
-    @property
-    def options(self) -> tuple[str, ...]:
-        """What ``"auto"`` chooses among (:attr:`RebalanceConfig.auto_options`)."""
-        return self.config.auto_options
-
     # -- which cost model plans a global batch ----------------------------------------------
 
     def model_for_next_batch(self) -> CostModel:
@@ -356,7 +351,7 @@ class GlobalBatchFormer(ImageRoutes):
         thread): a rank that priced differently would otherwise wait in another option's
         exchange until ``exchange_timeout_s``."""
         start = time.perf_counter()
-        options = self.options
+        options = self.config.auto_options
         routed = any(o in options for o in ("images", "both"))
         has_images = bool(features[:, FEATURES.index("images")].any())
         sizes = self._gather_image_sizes(batches, features) if routed and has_images else None

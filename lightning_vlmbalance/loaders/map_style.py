@@ -339,8 +339,8 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         # how the strategy's loader trains an epoch (decide_epochs), and each epoch's decision
         self._runtime: EpochRuntime | None = None
         self._epoch_choices: dict[tuple, EpochChoice] = {}
-        # (epoch, last epoch, optimizer steps left from it): set_fit_end
         self._evaluation: tuple[tuple, EpochPlan] | None = None  # _evaluation_plan
+        # (epoch, last epoch, optimizer steps left from it): set_fit_end
         self._fit_end: tuple[int, int | None, int | None] | None = None
         self.images = _column(images, "images", (self.image_tokens > 0).astype(np.int64))
         check_length_table(self.total_tokens, self.image_tokens)
@@ -477,11 +477,6 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         if runtime != self._runtime:
             self._runtime = runtime
             self._plans = {}
-
-    @property
-    def epoch_runtime(self) -> EpochRuntime | None:
-        """What :meth:`decide_epochs` was told last."""
-        return self._runtime
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose plan is yielded (Lightning calls this every epoch)."""
