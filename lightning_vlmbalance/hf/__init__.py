@@ -14,6 +14,7 @@ Example::
 """
 
 from lightning_vlmbalance.hf.attention import ATTN_IMPLEMENTATION, register, vlmbalance_attention
+from lightning_vlmbalance.hf.check import DocumentCheck, PackingReport, check_packing
 from lightning_vlmbalance.hf.families import SUPPORTED_FAMILIES, Family, family_of
 from lightning_vlmbalance.hf.inputs import (
     HFPackCollator,
@@ -28,9 +29,12 @@ register()
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "SUPPORTED_FAMILIES",
+    "DocumentCheck",
     "Family",
     "HFPackCollator",
     "ItemLengths",
+    "PackingReport",
+    "check_packing",
     "family_of",
     "item_lengths",
     "model_inputs",
