@@ -95,6 +95,9 @@ def packed_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    *,
+    window: int | None = None,
+    blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention within each document of a packed sequence.
 
@@ -109,6 +112,12 @@ def packed_attention(
         softmax_scale: defaults to ``Dh ** -0.5``.
         backend: ``"auto"`` (see :func:`attention_backend`), or ``"flash_attn"``, ``"varlen"``,
             ``"sdpa"`` to force one (the first two need CUDA and fp16/bf16).
+        window: a causal sliding window (transformers' ``sliding_window``): a query at ``i``
+            sees keys at ``j > i - window`` only (of its own document).
+        blocks: ``(T,)`` integer block ids; tokens with the same positive id see each other in
+            both directions (Gemma's attention within an image), still within their document
+            and ``window``; ``0`` (or less) is no block. The varlen kernels have no such mask:
+            with ``blocks`` the SDPA backend runs.
 
     Returns:
         ``(T, H, Dh)`` attention output.
@@ -134,8 +143,20 @@ def packed_attention(
         return q + (k.sum() + v.sum()) * 0
     if backend not in BACKENDS:
         raise ValueError(f"packed_attention: `backend={backend!r}` is not one of {BACKENDS}")
+    if window is not None and window < 1:
+        raise ValueError(f"packed_attention: `window={window}` must be a positive token count")
+    if blocks is not None and (blocks.dim() != 1 or blocks.shape[0] != T):
+        raise ValueError(
+            f"packed_attention: `blocks` has shape {tuple(blocks.shape)}, expected ({T},)"
+        )
+    if blocks is not None and not causal:
+        blocks = None  # every token already sees its whole document
     if backend == "auto":
-        backend = attention_backend(q)
+        backend = "sdpa" if blocks is not None else attention_backend(q)
+    elif blocks is not None and backend != "sdpa":
+        raise ValueError(
+            f"packed_attention: `backend={backend!r}` has no block mask; `blocks` needs 'sdpa'"
+        )
     elif backend != "sdpa" and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         raise ValueError(
             f"packed_attention: `backend={backend!r}` needs CUDA fp16/bf16 tensors, got"
@@ -149,13 +170,23 @@ def packed_attention(
         from flash_attn import flash_attn_varlen_func
 
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        extra = {} if window is None else {"window_size": (window - 1, window - 1)}
         return flash_attn_varlen_func(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal, softmax_scale=softmax_scale
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen,
+            max_seqlen,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            **extra,
         )
     if backend == "varlen":
         if _varlen_attn is None:
             raise ValueError("packed_attention: this torch has no torch.nn.attention.varlen")
-        return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
+        return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, window)
     if k.shape[1] != H:  # SDPA's enable_gqa is not on every backend: expand explicitly
         k = k.repeat_interleave(H // k.shape[1], dim=1)
         v = v.repeat_interleave(H // v.shape[1], dim=1)
@@ -164,10 +195,10 @@ def packed_attention(
     if compiling:
         # the padded layout's shapes (D, max_seqlen) change from pack to pack and each change
         # would recompile; the block-diagonal mask's shapes are the pack's T only
-        return _block_diagonal(q, k, v, cu, causal, softmax_scale)
+        return _block_diagonal(q, k, v, cu, causal, softmax_scale, window, blocks)
     if D * max_seqlen * max_seqlen <= T * T:
-        return _padded_documents(q, k, v, cu, D, max_seqlen, causal, softmax_scale)
-    return _block_diagonal(q, k, v, cu, causal, softmax_scale)
+        return _padded_documents(q, k, v, cu, D, max_seqlen, causal, softmax_scale, window, blocks)
+    return _block_diagonal(q, k, v, cu, causal, softmax_scale, window, blocks)
 
 
 def _torch_varlen(
@@ -178,13 +209,17 @@ def _torch_varlen(
     max_seqlen: int,
     causal: bool,
     scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``torch.nn.attention.varlen.varlen_attn``, across the torch versions that have it (2.13
     names causality ``window_size=(-1, 0)`` and takes ``enable_gqa``; earlier ones ``is_causal``
     and need the key/value heads expanded)."""
     kwargs: dict = {"scale": scale}
     if "window_size" in _VARLEN_ARGS:
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        left = -1 if window is None else window - 1
+        kwargs["window_size"] = (left, 0) if causal else (left, left)
+    elif window is not None:
+        raise ValueError("packed_attention: this torch's varlen_attn has no sliding window")
     else:
         kwargs["is_causal"] = causal
     H = q.shape[1]
@@ -207,6 +242,8 @@ def _padded_documents(
     M: int,
     causal: bool,
     scale: float | None,
+    window: int | None = None,
+    blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # Legend: T tokens, D documents, M = max_seqlen, H heads, Dh head dim.
     T, H, Dh = q.shape
@@ -222,6 +259,13 @@ def _padded_documents(
     mask = None
     if not causal:  # padded keys must not be attended; with causal they come after every query
         mask = valid_DM[:, None, None, :]
+    if window is not None or blocks is not None:
+        i_M1, j_1M = offs_1M.reshape(M, 1), offs_1M
+        block_DM = None if blocks is None else torch.where(valid_DM, blocks[src_DM], 0)
+        allowed = _allowed(i_M1, j_1M, causal, window, block_DM)  # (D or 1, M, M)
+        # a padded query row keeps its first key (no all-masked row: NaN in the backward)
+        allowed = allowed & valid_DM[:, None, :] | (~valid_DM[:, :, None] & (j_1M == 0))
+        mask, causal = allowed[:, None], False
     out_DHMd = F.scaled_dot_product_attention(
         gather(q), gather(k), gather(v), attn_mask=mask, is_causal=causal, scale=scale
     )
@@ -232,6 +276,26 @@ def _padded_documents(
     return out_DHMd.transpose(1, 2).reshape(D * M, H, Dh)[flat_T]
 
 
+def _allowed(
+    i: torch.Tensor,
+    j: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    block: torch.Tensor | None,
+) -> torch.Tensor:
+    """Which keys ``j`` each query ``i`` may see within one document (query offsets ``(M, 1)``,
+    key offsets ``(1, M)``; ``block`` ``(B, M)`` per-token block ids or ``None``): causal or in
+    the same positive block, and inside the causal window (transformers' masks:
+    ``and(window, or(causal, same block))``). Returns ``(B or 1, M, M)``."""
+    ok = (i >= j) if causal else torch.ones_like(i >= j)
+    ok = ok[None]
+    if block is not None:
+        ok = ok | ((block[:, :, None] == block[:, None, :]) & (block[:, :, None] > 0))
+    if window is not None:
+        ok = ok & (j > i - window)[None]
+    return ok
+
+
 def _block_diagonal(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -239,13 +303,17 @@ def _block_diagonal(
     cu: torch.Tensor,
     causal: bool,
     scale: float | None,
+    window: int | None = None,
+    blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     T = q.shape[0]
     t = torch.arange(T, device=q.device)
     doc_T = torch.searchsorted(cu, t, right=True) - 1
     mask_TT = doc_T[:, None] == doc_T[None, :]
-    if causal:
-        mask_TT &= t[:, None] >= t[None, :]
+    if causal or window is not None:
+        mask_TT &= _allowed(
+            t[:, None], t[None, :], causal, window, None if blocks is None else blocks[None]
+        )[0]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],

@@ -161,3 +161,56 @@ def test_metadata_that_does_not_describe_the_batch_is_an_error() -> None:
         packed_attention(q, q, q, torch.tensor([0, 5, 10], dtype=torch.int32), 5)
     with pytest.raises(ValueError, match="same shape"):
         packed_attention(q, q, q[:, :1], cu, 5)
+
+
+def _masked_reference(q, k, v, lens, window, blocks):
+    """Each document alone with transformers' rule as a dense mask: key j is seen by query i
+    when ``j > i - window`` and (``j <= i`` or both in the same positive block)."""
+    outs, start = [], 0
+    rep = q.shape[1] // k.shape[1]
+    for n in lens:
+        sl = slice(start, start + n)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        b = blocks[sl]
+        ok = (j <= i) | ((b[:, None] == b[None, :]) & (b[:, None] > 0))
+        if window is not None:
+            ok &= j > i - window
+        qd, kd, vd = (x[sl].transpose(0, 1) for x in (q, k, v))
+        kd, vd = kd.repeat_interleave(rep, 0), vd.repeat_interleave(rep, 0)
+        outs.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ok).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("lens", [[7, 3, 12], [40, 1, 1, 2]], ids=["padded", "diagonal"])
+@pytest.mark.parametrize("window", [None, 1, 4])
+@pytest.mark.parametrize("with_blocks", [False, True], ids=["causal", "image_blocks"])
+def test_window_and_image_blocks_match_the_dense_rule(lens, window, with_blocks) -> None:
+    torch.manual_seed(1)
+    T, H, Dh = sum(lens), 4, 8
+    q, k, v = (torch.randn(T, h, Dh, dtype=torch.float64, requires_grad=True) for h in (H, 2, 2))
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    blocks = torch.zeros(T, dtype=torch.long)
+    if with_blocks:  # an image of 3 tokens in the first document, one of 5 in the last
+        blocks[2:5] = 1
+        blocks[T - 7 : T - 2] = 2
+    out = packed_attention(
+        q, k, v, cu, max(lens), window=window, blocks=blocks if with_blocks else None
+    )
+    ref = _masked_reference(q, k, v, lens, window, blocks)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    grad = torch.randn_like(out)
+    for a, b in zip(
+        torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)
+    ):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_window_and_blocks_are_checked() -> None:
+    q = torch.randn(5, 2, 4)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="window=0"):
+        packed_attention(q, q, q, cu, 5, window=0)
+    with pytest.raises(ValueError, match="blocks"):
+        packed_attention(q, q, q, cu, 5, blocks=torch.zeros(4, dtype=torch.long))

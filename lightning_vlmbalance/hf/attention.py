@@ -85,6 +85,12 @@ def vlmbalance_attention(
         if max_len is None:
             max_len = int((cu[1:] - cu[:-1]).max())  # a host sync: pass max_length_q to avoid it
         max_len = int(max_len)
+    if kwargs.get("softcap") is not None:
+        raise ValueError(
+            f"attn_implementation='vlmbalance' has no attention logit soft-capping"
+            f" ({type(module).__name__} asks for softcap={kwargs['softcap']})"
+        )
+    window = kwargs.get("sliding_window")
     out = packed_attention(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
@@ -93,6 +99,8 @@ def vlmbalance_attention(
         max_len,
         causal=True,
         softmax_scale=scaling,
+        window=None if window is None else int(window),
+        blocks=kwargs.get("vlmbalance_image_blocks"),
     )  # (T, H, Dh)
     return out.unsqueeze(0), None
 

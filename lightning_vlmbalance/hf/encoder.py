@@ -54,7 +54,7 @@ class EncodedImages(ModelOutput):
     ``deepstack_features`` (one chunk per deepstack layer). ``zero`` is a scalar zero that
     depends on the return (and, on a rank that encoded nothing, on the dummy image)."""
 
-    pooler_output: tuple[torch.Tensor, ...] | None = None
+    pooler_output: tuple[torch.Tensor, ...] | torch.Tensor | None = None
     deepstack_features: list[tuple[torch.Tensor, ...]] | None = None
     zero: torch.Tensor | None = None
 
@@ -99,7 +99,9 @@ def balanced_image_features(model: Any, family: Family, batch: Mapping[str, Any]
     zero = home.float().sum() * 0.0 + (0.0 if zero is None else zero)
     chunks = torch.split(home, widths, dim=-1)
     deepstack = [(c,) for c in chunks[1:]] if len(chunks) > 1 else None
-    return EncodedImages(pooler_output=(chunks[0],), deepstack_features=deepstack, zero=zero)
+    # Gemma's forward reads one tensor; the others concatenate a tuple of per-image chunks
+    pooled = chunks[0] if family.layout == "whole" else (chunks[0],)
+    return EncodedImages(pooler_output=pooled, deepstack_features=deepstack, zero=zero)
 
 
 def _dummy_fields(family: Family, model: Any) -> dict[str, torch.Tensor]:

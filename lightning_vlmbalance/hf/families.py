@@ -149,6 +149,7 @@ class Family:
                 f"sample {sid} has padding (attention_mask has zeros): process samples one at a"
                 " time, without padding; the packs are the padding"
             )
+        self._check_token_types(item, ids, sid)
         sample: dict[str, Any] = {"input_ids": ids}
         if item.get("labels") is not None:
             sample["labels"] = _flat(item["labels"], sid, "labels", torch.long)
@@ -177,7 +178,30 @@ class Family:
             "mrope": ("pixel_values", "image_grid_thw"),
             "anyres": ("pixel_values", "image_sizes", "batch_num_images"),
             "tiles": ("pixel_values", "pixel_attention_mask"),
+            "whole": ("pixel_values",),
         }[self.layout]
+
+    @property
+    def image_blocks(self) -> bool:
+        """Whether each image's tokens attend to each other in both directions (Gemma 3): the
+        packed attention takes one block per run of image tokens (see :func:`image_blocks`)."""
+        return self.name in _IMAGE_BLOCKS
+
+    def _check_token_types(self, item: Mapping, ids: torch.Tensor, sid: int) -> None:
+        """Gemma's ``token_type_ids`` mark exactly the image tokens (what its processor returns);
+        the packed attention derives the image blocks from the image tokens, so any other
+        marking would train another attention than the model's own forward: refused."""
+        types_ = item.get("token_type_ids")
+        if types_ is None or not self.image_blocks:
+            return
+        types_ = _flat(types_, sid, "token_type_ids", torch.long)
+        if not torch.equal(types_ != 0, ids == self.image_token_id):
+            raise ValueError(
+                f"sample {sid}: token_type_ids mark {int((types_ != 0).sum())} tokens, the image"
+                f" tokens (id {self.image_token_id}) are {int((ids == self.image_token_id).sum())};"
+                f" {self.name}'s packed attention makes each run of image tokens one"
+                " bidirectional block, as its processor marks them"
+            )
 
     def _image_fields(self, item: Mapping, sid: int) -> tuple[dict[str, torch.Tensor], int]:
         if self.layout == "mrope":
@@ -201,6 +225,14 @@ class Family:
                     f" {tuple(sizes.shape)} do not describe the same images"
                 )
             return {"pixel_values": pix, "image_sizes": sizes}, pix.shape[0]
+        if self.layout == "whole":  # (images, C, H, W): one row per image
+            pix = torch.as_tensor(item["pixel_values"])
+            if pix.dim() != 4:
+                raise ValueError(
+                    f"sample {sid}: {self.name} pixel_values has shape {tuple(pix.shape)},"
+                    " expected (images, channels, height, width)"
+                )
+            return {"pixel_values": pix}, pix.shape[0]
         pix = _strip_batch(item["pixel_values"], sid, "pixel_values", 4)
         fields = {"pixel_values": pix}
         if item.get("pixel_attention_mask") is not None:
@@ -272,6 +304,8 @@ class Family:
             if num is not None:
                 out["batch_num_images"] = num
             return out
+        if self.layout == "whole":
+            return {"pixel_values": fields["pixel_values"]}
         out = {"pixel_values": fields["pixel_values"][None]}
         if "pixel_attention_mask" in fields:
             out["pixel_attention_mask"] = fields["pixel_attention_mask"][None]
@@ -302,6 +336,10 @@ class Family:
                 return_dict=True,
             )
             return [torch.cat(out.pooler_output)]
+        if self.layout == "whole":
+            out = inner.get_image_features(fields["pixel_values"], return_dict=True)
+            pooled = out.pooler_output  # (images, tokens per image, hidden)
+            return [pooled.reshape(-1, pooled.shape[-1])]
         mask = fields.get("pixel_attention_mask")
         out = inner.get_image_features(
             fields["pixel_values"][None],
@@ -309,6 +347,14 @@ class Family:
             return_dict=True,
         )
         return [torch.cat(out.pooler_output)]
+
+    def attention_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """Extra keyword arguments for the packed attention (``vlmbalance_image_blocks``: one
+        positive id per run of image tokens, for the families whose images attend within
+        themselves in both directions)."""
+        if not self.image_blocks:
+            return {}
+        return {"vlmbalance_image_blocks": image_blocks(batch["input_ids"][0], self.image_token_id)}
 
     def position_ids(self, batch: Mapping[str, Any]) -> torch.Tensor:
         if self.layout == "mrope":
@@ -342,6 +388,8 @@ class Family:
             }
             out["batch_num_images"] = torch.tensor([1], device=p.device)
             return out
+        if self.layout == "whole":
+            return {"pixel_values": torch.zeros(1, 3, size, size, device=p.device, dtype=p.dtype)}
         return {  # ones: Idefics3 drops all-zero tiles as padding
             "pixel_values": torch.ones(1, 1, 3, size, size, device=p.device, dtype=p.dtype),
             "pixel_attention_mask": torch.ones(1, 1, size, size, device=p.device, dtype=torch.bool),
@@ -352,8 +400,20 @@ _LAYOUTS = {
     **{name: "mrope" for name in _MROPE_MODELS},
     "llava_onevision": "anyres",
     "idefics3": "tiles",
+    "gemma3": "whole",
 }
+_IMAGE_BLOCKS = ("gemma3",)
 SUPPORTED_FAMILIES = tuple(_LAYOUTS)
+
+
+def image_blocks(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """``(T,)`` block ids of a packed row: ``k`` on the tokens of its ``k``-th run of image
+    tokens (counted from 1), 0 elsewhere (Gemma's ``get_block_sequence_ids_for_mask``, shifted
+    by one). A run that crosses a document boundary is cut there by the attention's own
+    document mask."""
+    is_image = input_ids == image_token_id
+    starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:-1]
+    return torch.where(is_image, torch.cumsum(starts.long(), 0), 0)
 
 
 def family_of(model_or_config: Any) -> Family:

@@ -303,6 +303,7 @@ def model_inputs(
         "cu_seq_lens_k": cu,
         "max_length_q": max_len,
         "max_length_k": max_len,
+        **family.attention_inputs(batch),
     }
     if batch.get("encoder_route") is not None:
         # encoded in the multimodal model's forward (its pre-hook): see prepare_model

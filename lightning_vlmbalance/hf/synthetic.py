@@ -26,7 +26,9 @@ TINY_FAMILIES = (
     "qwen3_vl_moe",
     "llava_onevision",
     "idefics3",
+    "gemma3",
 )
+BOI, EOI = 104, 105  # begin / end of image (Gemma)
 
 _TEXT = {
     "vocab_size": 128,
@@ -108,6 +110,18 @@ def tiny_config(family: str, **text_overrides: Any) -> Any:
             image_token_id=IMAGE_TOKEN,
             scale_factor=2,
         )
+    if family == "gemma3":
+        # a sliding window shorter than the documents, one sliding and one full layer
+        text = {**text, "head_dim": 8, "sliding_window": 8}
+        text["layer_types"] = ["sliding_attention", "full_attention"]
+        return tf.Gemma3Config(
+            text_config=text,
+            vision_config=_SIGLIP,
+            mm_tokens_per_image=4,
+            image_token_index=IMAGE_TOKEN,
+            boi_token_index=BOI,
+            eoi_token_index=EOI,
+        )
     raise ValueError(f"tiny_config: no tiny config for {family!r} (have {TINY_FAMILIES})")
 
 
@@ -166,6 +180,9 @@ class SyntheticProcessed(torch.utils.data.Dataset):
         item["attention_mask"] = torch.ones_like(item["input_ids"])
         if self.family.startswith("qwen"):  # the Qwen-VL processors return it
             item["mm_token_type_ids"] = (item["input_ids"] == IMAGE_TOKEN).int()
+        if self.family == "gemma3":  # Gemma3Processor's name for the same marking
+            item["token_type_ids"] = (item["input_ids"] == IMAGE_TOKEN).long()
+            item.pop("num_crops", None)  # the processor drops it
         return item
 
     def _placeholders(self, item: dict, images: list[np.ndarray]) -> list[list[int]]:
@@ -184,6 +201,8 @@ class SyntheticProcessed(torch.utils.data.Dataset):
                 counts = [(side // cfg.vision_config.patch_size) ** 2 + 1] * len(images)
             drop = int(cfg.vision_feature_select_strategy == "default")
             return [[IMAGE_TOKEN] * (n - drop) for n in counts]
+        if self.family == "gemma3":  # "<boi>" + image soft tokens + "<eoi>" per image
+            return [[BOI] + [IMAGE_TOKEN] * cfg.mm_tokens_per_image + [EOI] for _ in images]
         # idefics3: every tile (crops and the global image) is one image of image_seq_len tokens
         vc = cfg.vision_config
         per_tile = (vc.image_size // vc.patch_size) ** 2 // cfg.scale_factor**2
@@ -204,6 +223,8 @@ def _image_processor(config: Any) -> Any:
             max_pixels=48 * 48,
         )
     side = config.vision_config.image_size
+    if config.model_type == "gemma3":
+        return tf.Gemma3ImageProcessorPil(size={"height": side, "width": side})
     if config.model_type == "llava_onevision":
         return tf.LlavaOnevisionImageProcessorPil(
             size={"height": side, "width": side},

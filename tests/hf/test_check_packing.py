@@ -40,7 +40,22 @@ def test_every_family_packs_exactly_in_float64(family):
     for d in report.documents:
         assert d.logit_scale > 0.1 and d.grad_scale > 0.1  # something was compared
         assert d.logit_diff <= 1e-10 * max(1.0, d.logit_scale)
-        assert d.grad_diff <= 1e-10 * max(1.0, d.grad_scale)
+        grad_tol = 1e-10 if family not in hf_check.FLOAT32_NORMS else 1e-6
+        assert d.grad_diff <= grad_tol * max(1.0, d.grad_scale)
+
+
+def test_gemma_gradients_reach_float64_with_its_norm_in_float64(monkeypatch):
+    """Gemma's gradients are held to 1e-6 in float64 because its RMSNorm computes in float32;
+    with that norm computing in the model's dtype the gradients agree to 1e-10 as well: the
+    float32 norm is the only reason for the looser tolerance."""
+    from transformers.models.gemma3 import modeling_gemma3 as g3
+
+    monkeypatch.setattr(
+        g3.Gemma3RMSNorm, "forward", lambda self, x: self._norm(x) * (1 + self.weight)
+    )
+    model = _model("gemma3")
+    report = vbhf.check_packing(model, _items(model), tolerance=1e-10)
+    assert report.ok and report.grad_tolerance is None, str(report)
 
 
 def _leaking(q, k, v, cu, max_len, *, causal=True, softmax_scale=None, **kwargs):

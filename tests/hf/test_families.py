@@ -74,7 +74,8 @@ def _images(item: Mapping) -> int:
         return int(item["image_grid_thw"].shape[0])
     if "image_sizes" in item:
         return int(item["image_sizes"].shape[0])
-    return int(item["pixel_values"].shape[1])
+    pix = item["pixel_values"]
+    return int(pix.shape[0] if pix.dim() == 4 else pix.shape[1])  # Gemma: (images, C, H, W)
 
 
 def _doc_logits(logits: torch.Tensor, batch: dict) -> list[torch.Tensor]:
