@@ -179,6 +179,7 @@ class Family:
             "anyres": ("pixel_values", "image_sizes", "batch_num_images"),
             "tiles": ("pixel_values", "pixel_attention_mask"),
             "whole": ("pixel_values",),
+            "sized": ("pixel_values", "image_sizes"),
         }[self.layout]
 
     @property
@@ -225,6 +226,15 @@ class Family:
                     f" {tuple(sizes.shape)} do not describe the same images"
                 )
             return {"pixel_values": pix, "image_sizes": sizes}, pix.shape[0]
+        if self.layout == "sized":  # Pixtral: (images, C, H, W) padded, each image's real size
+            pix = torch.as_tensor(item["pixel_values"])
+            sizes = torch.as_tensor(item["image_sizes"]).reshape(-1, 2).long()
+            if pix.dim() != 4 or pix.shape[0] != sizes.shape[0]:
+                raise ValueError(
+                    f"sample {sid}: pixel_values {tuple(pix.shape)} and image_sizes"
+                    f" {tuple(sizes.shape)} do not describe the same images"
+                )
+            return {"pixel_values": pix, "image_sizes": sizes}, pix.shape[0]
         if self.layout == "whole":  # (images, C, H, W): one row per image
             pix = torch.as_tensor(item["pixel_values"])
             if pix.dim() != 4:
@@ -252,6 +262,15 @@ class Family:
                 raise ValueError(
                     f"sample {sid}: image_grid_thw gives {sum(sizes)} image tokens, input_ids"
                     f" hold {total}"
+                )
+            return sizes
+        if self.layout == "sized":  # one feature per (patch x merge) cell of the real size
+            cell = int(self.config.vision_config.patch_size) * int(self.config.spatial_merge_size)
+            sizes = ((fields["image_sizes"] // cell).prod(-1)).tolist()
+            if sum(sizes) != total:
+                raise ValueError(
+                    f"sample {sid}: image_sizes {fields['image_sizes'].tolist()} give {sum(sizes)}"
+                    f" image tokens (one per {cell}x{cell} pixels), input_ids hold {total}"
                 )
             return sizes
         # whole-image families: one run of image tokens per image when they are separated;
@@ -306,6 +325,8 @@ class Family:
             return out
         if self.layout == "whole":
             return {"pixel_values": fields["pixel_values"]}
+        if self.layout == "sized":
+            return {"pixel_values": fields["pixel_values"], "image_sizes": fields["image_sizes"]}
         out = {"pixel_values": fields["pixel_values"][None]}
         if "pixel_attention_mask" in fields:
             out["pixel_attention_mask"] = fields["pixel_attention_mask"][None]
@@ -333,6 +354,13 @@ class Family:
                 pixel_values=fields["pixel_values"],
                 image_sizes=fields["image_sizes"],
                 batch_num_images=None,  # every image tiled: single-image samples only
+                return_dict=True,
+            )
+            return [torch.cat(out.pooler_output)]
+        if self.layout == "sized":
+            out = inner.get_image_features(
+                pixel_values=fields["pixel_values"],
+                image_sizes=fields["image_sizes"],
                 return_dict=True,
             )
             return [torch.cat(out.pooler_output)]
@@ -373,7 +401,13 @@ class Family:
                 "pixel_values": torch.zeros(m * m, dim, device=p.device, dtype=p.dtype),
                 "image_grid_thw": torch.tensor([[1, m, m]], device=p.device),
             }
-        size = int(vc.image_size)
+        if self.layout == "sized":  # the smallest image: one feature
+            cell = int(vc.patch_size) * int(self.config.spatial_merge_size)
+            return {
+                "pixel_values": torch.zeros(1, 3, cell, cell, device=p.device, dtype=p.dtype),
+                "image_sizes": torch.tensor([[cell, cell]], device=p.device),
+            }
+        size = vc.image_size if isinstance(vc.image_size, int) else int(vc.image_size[0])
         if self.layout == "anyres":
             from transformers.models.llava_onevision.modeling_llava_onevision import (
                 image_size_to_num_patches,
@@ -389,7 +423,8 @@ class Family:
             out["batch_num_images"] = torch.tensor([1], device=p.device)
             return out
         if self.layout == "whole":
-            return {"pixel_values": torch.zeros(1, 3, size, size, device=p.device, dtype=p.dtype)}
+            h, w = (size, size) if isinstance(vc.image_size, int) else map(int, vc.image_size)
+            return {"pixel_values": torch.zeros(1, 3, h, w, device=p.device, dtype=p.dtype)}
         return {  # ones: Idefics3 drops all-zero tiles as padding
             "pixel_values": torch.ones(1, 1, 3, size, size, device=p.device, dtype=p.dtype),
             "pixel_attention_mask": torch.ones(1, 1, size, size, device=p.device, dtype=torch.bool),
@@ -400,7 +435,10 @@ _LAYOUTS = {
     **{name: "mrope" for name in _MROPE_MODELS},
     "llava_onevision": "anyres",
     "idefics3": "tiles",
+    "smolvlm": "tiles",
     "gemma3": "whole",
+    "internvl": "whole",
+    "mistral3": "sized",
 }
 _IMAGE_BLOCKS = ("gemma3",)
 SUPPORTED_FAMILIES = tuple(_LAYOUTS)

@@ -27,8 +27,12 @@ TINY_FAMILIES = (
     "llava_onevision",
     "idefics3",
     "gemma3",
+    "internvl",
+    "smolvlm",
+    "mistral3",
 )
-BOI, EOI = 104, 105  # begin / end of image (Gemma)
+BOI, EOI = 104, 105  # begin / end of image (Gemma, InternVL)
+IMG_BREAK, IMG_END = 106, 107  # Pixtral's row break and image end
 
 _TEXT = {
     "vocab_size": 128,
@@ -122,6 +126,38 @@ def tiny_config(family: str, **text_overrides: Any) -> Any:
             boi_token_index=BOI,
             eoi_token_index=EOI,
         )
+    if family == "internvl":  # InternVL 3.5: a Qwen3 language model, 4 tokens per tile
+        return tf.InternVLConfig(
+            text_config={**text, "model_type": "qwen3", "head_dim": 8},
+            vision_config={k: v for k, v in _SIGLIP.items() if k != "model_type"},
+            image_token_id=IMAGE_TOKEN,
+            image_seq_length=4,
+            downsample_ratio=0.5,
+        )
+    if family == "smolvlm":
+        return tf.SmolVLMConfig(
+            text_config={**text, "model_type": "llama"},
+            vision_config={k: v for k, v in _SIGLIP.items() if k != "model_type"},
+            image_token_id=IMAGE_TOKEN,
+            scale_factor=2,
+        )
+    if family == "mistral3":  # a Mistral language model with a sliding window, a Pixtral tower
+        return tf.Mistral3Config(
+            text_config={**text, "model_type": "mistral", "head_dim": 8, "sliding_window": 8},
+            vision_config={
+                "model_type": "pixtral",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "head_dim": 16,
+                "patch_size": 4,
+                "image_size": 64,
+            },
+            image_token_index=IMAGE_TOKEN,
+            spatial_merge_size=2,
+            vision_feature_layer=-1,
+        )
     raise ValueError(f"tiny_config: no tiny config for {family!r} (have {TINY_FAMILIES})")
 
 
@@ -172,7 +208,8 @@ class SyntheticProcessed(torch.utils.data.Dataset):
         ids = text() if images else text(*self.text_only_len)
         item: dict[str, Any] = {}
         if images:
-            one_sample = images if self.family.startswith("qwen") else [images]
+            flat = ("qwen", "internvl", "mistral3")
+            one_sample = images if self.family.startswith(flat) else [images]
             item = dict(self._processor(images=one_sample, return_tensors="pt"))
             for placeholder in self._placeholders(item, images):
                 ids += placeholder + text(2)
@@ -183,6 +220,7 @@ class SyntheticProcessed(torch.utils.data.Dataset):
         if self.family == "gemma3":  # Gemma3Processor's name for the same marking
             item["token_type_ids"] = (item["input_ids"] == IMAGE_TOKEN).long()
             item.pop("num_crops", None)  # the processor drops it
+        item.pop("num_patches", None)  # InternVLProcessor lays out the text with it, then drops it
         return item
 
     def _placeholders(self, item: dict, images: list[np.ndarray]) -> list[list[int]]:
@@ -203,7 +241,18 @@ class SyntheticProcessed(torch.utils.data.Dataset):
             return [[IMAGE_TOKEN] * (n - drop) for n in counts]
         if self.family == "gemma3":  # "<boi>" + image soft tokens + "<eoi>" per image
             return [[BOI] + [IMAGE_TOKEN] * cfg.mm_tokens_per_image + [EOI] for _ in images]
-        # idefics3: every tile (crops and the global image) is one image of image_seq_len tokens
+        if self.family == "internvl":  # "<img>" + 4 tokens per tile + "</img>" per image
+            tiles = item["num_patches"].tolist()
+            return [[BOI] + [IMAGE_TOKEN] * (cfg.image_seq_length * t) + [EOI] for t in tiles]
+        if self.family == "mistral3":  # per row: [IMG] x cols + [IMG_BREAK]; the last [IMG_END]
+            cell = cfg.vision_config.patch_size * cfg.spatial_merge_size
+            out = []
+            for h, w in item["image_sizes"].tolist():
+                tokens = ([IMAGE_TOKEN] * (w // cell) + [IMG_BREAK]) * (h // cell)
+                out.append([*tokens[:-1], IMG_END])
+            return out
+        # idefics3, smolvlm: every tile (crops and the global image) is one image of
+        # image_seq_len tokens
         vc = cfg.vision_config
         per_tile = (vc.image_size // vc.patch_size) ** 2 // cfg.scale_factor**2
         tiles = int(item["pixel_values"].shape[1])
@@ -223,8 +272,22 @@ def _image_processor(config: Any) -> Any:
             max_pixels=48 * 48,
         )
     side = config.vision_config.image_size
+    side = side if isinstance(side, int) else int(side[0])  # InternVL's is (height, width)
     if config.model_type == "gemma3":
         return tf.Gemma3ImageProcessorPil(size={"height": side, "width": side})
+    if config.model_type == "internvl":  # InternVLProcessor's image processor, tiling on
+        return tf.GotOcr2ImageProcessorPil(
+            size={"height": side, "width": side}, crop_to_patches=True, min_patches=1, max_patches=6
+        )
+    if config.model_type == "mistral3":  # PixtralProcessor passes patch x merge as the patch
+        cell = config.vision_config.patch_size * config.spatial_merge_size
+        return tf.PixtralImageProcessorPil(
+            size={"longest_edge": 32}, patch_size={"height": cell, "width": cell}
+        )
+    if config.model_type == "smolvlm":
+        return tf.SmolVLMImageProcessorPil(
+            size={"longest_edge": 2 * side}, max_image_size={"longest_edge": side}
+        )
     if config.model_type == "llava_onevision":
         return tf.LlavaOnevisionImageProcessorPil(
             size={"height": side, "width": side},
