@@ -38,6 +38,8 @@ _MROPE_MODELS = {
     "qwen2_5_vl": "Qwen2_5_VLModel",
     "qwen3_vl": "Qwen3VLModel",
     "qwen3_vl_moe": "Qwen3VLMoeModel",
+    "qwen3_5": "Qwen3_5Model",
+    "glm4v": "Glm4vModel",
 }
 _IGNORED = ("attention_mask", "mm_token_type_ids", "token_type_ids")
 _UNSUPPORTED = ("pixel_values_videos", "video_grid_thw", "image_sizes_videos")
@@ -401,11 +403,12 @@ class Family:
                 "pixel_values": torch.zeros(m * m, dim, device=p.device, dtype=p.dtype),
                 "image_grid_thw": torch.tensor([[1, m, m]], device=p.device),
             }
-        if self.layout == "sized":  # the smallest image: one feature
+        if self.layout == "sized":  # a small image of two features (Mistral 3's
+            # get_image_features squeezes a one-feature image's rows away)
             cell = int(vc.patch_size) * int(self.config.spatial_merge_size)
             return {
-                "pixel_values": torch.zeros(1, 3, cell, cell, device=p.device, dtype=p.dtype),
-                "image_sizes": torch.tensor([[cell, cell]], device=p.device),
+                "pixel_values": torch.zeros(1, 3, cell, 2 * cell, device=p.device, dtype=p.dtype),
+                "image_sizes": torch.tensor([[cell, 2 * cell]], device=p.device),
             }
         size = vc.image_size if isinstance(vc.image_size, int) else int(vc.image_size[0])
         if self.layout == "anyres":

@@ -12,6 +12,7 @@ import torch
 from lightning_vlmbalance.hf.attention import ATTN_IMPLEMENTATION
 from lightning_vlmbalance.hf.encoder import balanced_image_features
 from lightning_vlmbalance.hf.families import Family, family_of
+from lightning_vlmbalance.hf.recurrent import is_linear_attention, per_document
 from lightning_vlmbalance.loss import check_weighted_for
 from lightning_vlmbalance.packing.collate import PackCollator, PackItem
 
@@ -146,6 +147,9 @@ def prepare_model(model: torch.nn.Module) -> Family:
         )
         model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
     decoder = model.get_decoder()
+    for module in decoder.modules():
+        if is_linear_attention(module):  # Qwen3.5: a zero state and convolution per document
+            per_document(module)
     state: dict[str, Any] = {"text_only": False, "balanced_zero": None}
     # parameters of the vision tower and projector: some are never used by some models' forward
     # (LLaVA-OneVision reads SigLIP's hidden states before its last norm and head), which DDP

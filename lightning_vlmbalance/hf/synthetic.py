@@ -30,6 +30,8 @@ TINY_FAMILIES = (
     "internvl",
     "smolvlm",
     "mistral3",
+    "glm4v",
+    "qwen3_5",
 )
 BOI, EOI = 104, 105  # begin / end of image (Gemma, InternVL)
 IMG_BREAK, IMG_END = 106, 107  # Pixtral's row break and image end
@@ -158,6 +160,32 @@ def tiny_config(family: str, **text_overrides: Any) -> Any:
             spatial_merge_size=2,
             vision_feature_layer=-1,
         )
+    if family in ("glm4v", "qwen3_5"):
+        vision = {**_QWEN_VISION, "image_size": 16, "num_position_embeddings": 64}
+        rope = {**_MROPE, "mrope_section": [1, 1, 0], "partial_rotary_factor": 0.5}
+        text = {**text, "head_dim": 8, "rope_parameters": rope}
+        if family == "glm4v":
+            return tf.Glm4vConfig(
+                text_config=text,
+                vision_config=vision,
+                image_token_id=IMAGE_TOKEN,
+                video_token_id=VIDEO_TOKEN,
+                image_start_token_id=VISION_START,
+                image_end_token_id=VISION_END,
+                video_start_token_id=BOI,
+                video_end_token_id=EOI,
+            )
+        # Qwen3.5: a linear-attention (Gated DeltaNet) layer, then a full-attention one
+        text.update(
+            layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        )
+        rope["mrope_interleaved"] = True
+        return tf.Qwen3_5Config(text_config=text, vision_config=vision, **_QWEN_TOKENS)
     raise ValueError(f"tiny_config: no tiny config for {family!r} (have {TINY_FAMILIES})")
 
 
@@ -208,14 +236,14 @@ class SyntheticProcessed(torch.utils.data.Dataset):
         ids = text() if images else text(*self.text_only_len)
         item: dict[str, Any] = {}
         if images:
-            flat = ("qwen", "internvl", "mistral3")
+            flat = ("qwen", "internvl", "mistral3", "glm4v")
             one_sample = images if self.family.startswith(flat) else [images]
             item = dict(self._processor(images=one_sample, return_tensors="pt"))
             for placeholder in self._placeholders(item, images):
                 ids += placeholder + text(2)
         item["input_ids"] = torch.tensor([ids])
         item["attention_mask"] = torch.ones_like(item["input_ids"])
-        if self.family.startswith("qwen"):  # the Qwen-VL processors return it
+        if self.family.startswith(("qwen", "glm4v")):  # their processors return it
             item["mm_token_type_ids"] = (item["input_ids"] == IMAGE_TOKEN).int()
         if self.family == "gemma3":  # Gemma3Processor's name for the same marking
             item["token_type_ids"] = (item["input_ids"] == IMAGE_TOKEN).long()
@@ -225,7 +253,7 @@ class SyntheticProcessed(torch.utils.data.Dataset):
 
     def _placeholders(self, item: dict, images: list[np.ndarray]) -> list[list[int]]:
         cfg = self.config
-        if self.family.startswith("qwen"):
+        if self.family.startswith(("qwen", "glm4v")):
             merge = cfg.vision_config.spatial_merge_size
             counts = (item["image_grid_thw"].prod(-1) // merge**2).tolist()
             return [[VISION_START] + [IMAGE_TOKEN] * n + [VISION_END] for n in counts]
@@ -262,6 +290,14 @@ class SyntheticProcessed(torch.utils.data.Dataset):
 def _image_processor(config: Any) -> Any:
     import transformers as tf
 
+    if config.model_type == "glm4v":
+        vc = config.vision_config
+        return tf.Glm4vImageProcessorPil(
+            patch_size=vc.patch_size,
+            merge_size=vc.spatial_merge_size,
+            temporal_patch_size=vc.temporal_patch_size,
+            size={"shortest_edge": 64, "longest_edge": 48 * 48},
+        )
     if config.model_type.startswith("qwen"):
         vc = config.vision_config
         return tf.Qwen2VLImageProcessorPil(

@@ -44,16 +44,23 @@ def test_every_family_packs_exactly_in_float64(family):
         assert d.grad_diff <= grad_tol * max(1.0, d.grad_scale)
 
 
-def test_gemma_gradients_reach_float64_with_its_norm_in_float64(monkeypatch):
-    """Gemma's gradients are held to 1e-6 in float64 because its RMSNorm computes in float32;
-    with that norm computing in the model's dtype the gradients agree to 1e-10 as well: the
-    float32 norm is the only reason for the looser tolerance."""
-    from transformers.models.gemma3 import modeling_gemma3 as g3
+NORMS = {
+    "gemma3": "gemma3.modeling_gemma3.Gemma3RMSNorm",
+    "qwen3_5": "qwen3_5.modeling_qwen3_5.Qwen3_5RMSNorm",
+}
 
-    monkeypatch.setattr(
-        g3.Gemma3RMSNorm, "forward", lambda self, x: self._norm(x) * (1 + self.weight)
-    )
-    model = _model("gemma3")
+
+@pytest.mark.parametrize("family", hf_check.FLOAT32_NORMS)
+def test_float32_norms_are_the_only_reason_for_the_looser_gradient_tolerance(family, monkeypatch):
+    """Gemma's and Qwen3.5's gradients are held to 1e-6 in float64 because their RMSNorm
+    computes in float32; with that norm computing in the model's dtype the gradients agree to
+    1e-10 as well (Qwen3.5: its linear-attention layers run per document exactly)."""
+    import importlib
+
+    module, cls = NORMS[family].rsplit(".", 1)
+    norm = getattr(importlib.import_module(f"transformers.models.{module}"), cls)
+    monkeypatch.setattr(norm, "forward", lambda self, x: self._norm(x) * (1 + self.weight))
+    model = _model(family)
     report = vbhf.check_packing(model, _items(model), tolerance=1e-10)
     assert report.ok and report.grad_tolerance is None, str(report)
 
@@ -128,3 +135,26 @@ def test_command_line_on_a_saved_checkpoint_and_items(tmp_path, capsys):
     rc = hf_check.main(["--tiny", "idefics3", "--n", "2", "--no-gradients"])
     out = capsys.readouterr().out
     assert rc == 0 and "packing is exact for this model" in out
+
+
+def test_qwen3_5_linear_layers_leak_when_run_over_the_whole_row(monkeypatch):
+    """Without the per-document run, Qwen3.5's Gated DeltaNet carries its convolution and state
+    from one document into the next (the packed keys dropped, one call on the whole row): the
+    check catches it on every document after the first."""
+    import lightning_vlmbalance.hf.inputs as hf_inputs
+
+    def whole_row(module):
+        original = module.forward
+
+        def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+            for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+                kwargs.pop(key, None)
+            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+
+        module.forward = forward
+
+    monkeypatch.setattr(hf_inputs, "per_document", whole_row)
+    model = _model("qwen3_5")
+    report = vbhf.check_packing(model, _items(model), gradients=False)
+    first, *rest = report.documents
+    assert first.ok and all(d.logit_diff > 1e-4 for d in rest), str(report)

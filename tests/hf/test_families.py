@@ -19,6 +19,7 @@ import transformers as tf
 import lightning_vlmbalance as vb
 import lightning_vlmbalance.hf as vbhf
 from lightning_vlmbalance.balance.exchange import decode_pack, encode_pack
+from lightning_vlmbalance.hf.recurrent import is_linear_attention, per_document
 from lightning_vlmbalance.hf.synthetic import (
     IMAGE_TOKEN,
     TINY_FAMILIES,
@@ -441,13 +442,19 @@ def _reached(model: torch.nn.Module) -> set[str]:
 
 def _vision_tower(model):
     inner = model.model
-    return inner.visual if hasattr(inner, "visual") else inner.vision_model
+    for name in ("visual", "vision_model", "vision_tower"):
+        if hasattr(inner, name):
+            return getattr(inner, name)
+    raise AssertionError(f"{type(inner).__name__}: no vision tower found")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava_onevision", "idefics3"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_text_only_pack_reaches_the_vision_tower(family):
     model = _packed_copy(family).train()
     plain = copy.deepcopy(model)  # never prepared: no hooks
+    for module in plain.modules():  # but Qwen3.5's linear attention runs per document
+        if is_linear_attention(module):
+            per_document(module)
     imaged = copy.deepcopy(model)
     text = _dataset(family, n=3, text_share=1.0)
     items = [text[i] for i in range(3)]

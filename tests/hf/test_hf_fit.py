@@ -32,6 +32,11 @@ def _launch(root: Path, *fits: tuple[str, ...]) -> tuple[str, ...]:
 # the fits of one launch run one after the other in the same processes (process start-up,
 # transformers included, is much of a 4-step fit's time); plain DDP first where a fit is
 # compared with it, CompiledMoERouting (it patches the experts) last
+# the families added in the second wave: encoder balancing with text-only packs on both ranks,
+# under "vlmbalance" (DDP) and "fsdp_vlmbalance" (FSDP2), one launch per strategy
+NEW_FAMILIES = ("gemma3", "internvl", "smolvlm", "mistral3", "glm4v", "qwen3_5")
+NEW = ("--encoder", "--text-share", "0.9", *FP32)
+
 LAUNCHES = {
     "qwen": (
         ("ddp", "--strategy", "ddp"),
@@ -48,6 +53,12 @@ LAUNCHES = {
         ("idefics3", "--family", "idefics3", *FP32, "--text-share", "0.9"),
         ("fsdp", "--strategy", "fsdp_vlmbalance", "--encoder", *FP32),
         ("moe", "--family", "qwen3_vl_moe", "--moe", *FP32),
+    ),
+    "new_ddp": tuple(
+        (f"{f}_ddp", "--family", f, "--strategy", "vlmbalance", *NEW) for f in NEW_FAMILIES
+    ),
+    "new_fsdp": tuple(
+        (f"{f}_fsdp", "--family", f, "--strategy", "fsdp_vlmbalance", *NEW) for f in NEW_FAMILIES
     ),
 }
 
@@ -161,3 +172,17 @@ def test_hf_main_job_trains_and_logs(fits: dict) -> None:
     tags = set(acc.Tags()["scalars"])
     assert "train/loss" in tags
     assert {f"straggler/step_ms/rank_{r}" for r in (0, 1)} <= tags
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_new_families_train_with_encoder_balancing_and_text_only_packs(fits: dict, family: str):
+    """Gemma 3, InternVL, SmolVLM2, Mistral 3, GLM-4.1V and Qwen3.5 on 2 ranks with encoder
+    balancing, text-only packs on both ranks, under DDP and FSDP2: no error, no hang, images
+    encoded on the other rank, and the same losses under both strategies (the same math)."""
+    ddp, fsdp = _result(fits, f"{family}_ddp"), _result(fits, f"{family}_fsdp")
+    for res in (ddp, fsdp):
+        assert res["steps"] == 4 and all(n > 0 for n in res["text_only"]), res
+        assert sum(res["moved_images"]) > 0, res
+        assert res["loss"] == res["loss"]
+    assert ddp["sample_ids"] == fsdp["sample_ids"]
+    assert fsdp["loss"] == pytest.approx(ddp["loss"], rel=1e-5)
