@@ -91,6 +91,9 @@ def vlmbalance_attention(
             f" ({type(module).__name__} asks for softcap={kwargs['softcap']})"
         )
     window = kwargs.get("sliding_window")
+    blocks = kwargs.get("vlmbalance_image_blocks")
+    if window is None and kwargs.get("vlmbalance_blocks_sliding_only"):
+        blocks = None
     out = packed_attention(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
@@ -100,7 +103,7 @@ def vlmbalance_attention(
         causal=True,
         softmax_scale=scaling,
         window=None if window is None else int(window),
-        blocks=kwargs.get("vlmbalance_image_blocks"),
+        blocks=blocks,
     )  # (T, H, Dh)
     return out.unsqueeze(0), None
 

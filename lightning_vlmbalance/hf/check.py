@@ -50,7 +50,7 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 # norm weights' gradients, sums over a row's tokens, round at float32's precision in a float64
 # run (measured on Gemma 3 and Qwen3.5: 1.2e-7 relative, and 1e-16 with the norm computing in
 # float64)
-FLOAT32_NORMS = ("gemma3", "qwen3_5")
+FLOAT32_NORMS = ("gemma3", "gemma4", "qwen3_5")
 FLOAT32_NORM_TOLERANCE = 1e-6
 _PAD = 7  # padding tokens after the documents: the loader's packs end with a padding segment
 

@@ -109,6 +109,8 @@ def _dummy_fields(family: Family, model: Any) -> dict[str, torch.Tensor]:
     kwargs = family.dummy_image_inputs(model)
     if family.layout == "tiles":  # (1, tiles, ...) -> (tiles, ...)
         return {k: v[0] for k, v in kwargs.items()}
+    if family.layout == "patches":  # the fields keep Gemma 4's positions shifted by one
+        return {**kwargs, "image_position_ids": kwargs["image_position_ids"] + 1}
     return {k: v for k, v in kwargs.items() if k != "batch_num_images"}
 
 

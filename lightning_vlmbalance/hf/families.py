@@ -182,25 +182,34 @@ class Family:
             "tiles": ("pixel_values", "pixel_attention_mask"),
             "whole": ("pixel_values",),
             "sized": ("pixel_values", "image_sizes"),
+            "patches": ("pixel_values", "image_position_ids"),
         }[self.layout]
 
     @property
     def image_blocks(self) -> bool:
-        """Whether each image's tokens attend to each other in both directions (Gemma 3): the
-        packed attention takes one block per run of image tokens (see :func:`image_blocks`)."""
+        """Whether each image's tokens attend to each other in both directions (Gemma 3, and
+        Gemma 4 with ``use_bidirectional_attention="vision"``): the packed attention takes one
+        block per run of image tokens (see :func:`image_blocks`)."""
+        if self.name == "gemma4":
+            return self.config.get_text_config().use_bidirectional_attention == "vision"
         return self.name in _IMAGE_BLOCKS
+
+    @property
+    def _token_types(self) -> str:
+        return "mm_token_type_ids" if self.name == "gemma4" else "token_type_ids"
 
     def _check_token_types(self, item: Mapping, ids: torch.Tensor, sid: int) -> None:
         """Gemma's ``token_type_ids`` mark exactly the image tokens (what its processor returns);
         the packed attention derives the image blocks from the image tokens, so any other
         marking would train another attention than the model's own forward: refused."""
-        types_ = item.get("token_type_ids")
-        if types_ is None or not self.image_blocks:
+        name = self._token_types
+        types_ = item.get(name)
+        if types_ is None or not self.name.startswith("gemma"):
             return
-        types_ = _flat(types_, sid, "token_type_ids", torch.long)
+        types_ = _flat(types_, sid, name, torch.long)
         if not torch.equal(types_ != 0, ids == self.image_token_id):
             raise ValueError(
-                f"sample {sid}: token_type_ids mark {int((types_ != 0).sum())} tokens, the image"
+                f"sample {sid}: {name} mark {int((types_ != 0).sum())} tokens, the image"
                 f" tokens (id {self.image_token_id}) are {int((ids == self.image_token_id).sum())};"
                 f" {self.name}'s packed attention makes each run of image tokens one"
                 " bidirectional block, as its processor marks them"
@@ -237,6 +246,16 @@ class Family:
                     f" {tuple(sizes.shape)} do not describe the same images"
                 )
             return {"pixel_values": pix, "image_sizes": sizes}, pix.shape[0]
+        if self.layout == "patches":  # Gemma 4: (images, patches, dim), padded, with positions
+            pix = torch.as_tensor(item["pixel_values"])
+            pos = torch.as_tensor(item["image_position_ids"]).long()
+            if pix.dim() != 3 or pos.shape != (*pix.shape[:2], 2):
+                raise ValueError(
+                    f"sample {sid}: pixel_values {tuple(pix.shape)} and image_position_ids"
+                    f" {tuple(pos.shape)} do not describe the same patches"
+                )
+            # kept shifted by one, so that the packs' zero padding is the model's (-1, -1)
+            return {"pixel_values": pix, "image_position_ids": pos + 1}, pix.shape[0]
         if self.layout == "whole":  # (images, C, H, W): one row per image
             pix = torch.as_tensor(item["pixel_values"])
             if pix.dim() != 4:
@@ -329,6 +348,8 @@ class Family:
             return {"pixel_values": fields["pixel_values"]}
         if self.layout == "sized":
             return {"pixel_values": fields["pixel_values"], "image_sizes": fields["image_sizes"]}
+        if self.layout == "patches":
+            return _patch_inputs(fields)
         out = {"pixel_values": fields["pixel_values"][None]}
         if "pixel_attention_mask" in fields:
             out["pixel_attention_mask"] = fields["pixel_attention_mask"][None]
@@ -359,6 +380,9 @@ class Family:
                 return_dict=True,
             )
             return [torch.cat(out.pooler_output)]
+        if self.layout == "patches":
+            out = inner.get_image_features(**_patch_inputs(fields), return_dict=True)
+            return [torch.cat(out.pooler_output)]
         if self.layout == "sized":
             out = inner.get_image_features(
                 pixel_values=fields["pixel_values"],
@@ -384,7 +408,10 @@ class Family:
         themselves in both directions)."""
         if not self.image_blocks:
             return {}
-        return {"vlmbalance_image_blocks": image_blocks(batch["input_ids"][0], self.image_token_id)}
+        out = {"vlmbalance_image_blocks": image_blocks(batch["input_ids"][0], self.image_token_id)}
+        if self.name == "gemma4":  # Gemma 4's full-attention layers stay causal over images
+            out["vlmbalance_blocks_sliding_only"] = True
+        return out
 
     def position_ids(self, batch: Mapping[str, Any]) -> torch.Tensor:
         if self.layout == "mrope":
@@ -402,6 +429,14 @@ class Family:
             return {
                 "pixel_values": torch.zeros(m * m, dim, device=p.device, dtype=p.dtype),
                 "image_grid_thw": torch.tensor([[1, m, m]], device=p.device),
+            }
+        if self.layout == "patches":  # a 2k x k patch image: two soft tokens
+            k = int(vc.pooling_kernel_size)
+            dim = 3 * int(vc.patch_size) ** 2
+            xy = torch.cartesian_prod(torch.arange(2 * k), torch.arange(k)).to(p.device)
+            return {
+                "pixel_values": torch.zeros(1, 2 * k * k, dim, device=p.device, dtype=p.dtype),
+                "image_position_ids": xy[None],
             }
         if self.layout == "sized":  # a small image of two features (Mistral 3's
             # get_image_features squeezes a one-feature image's rows away)
@@ -442,9 +477,19 @@ _LAYOUTS = {
     "gemma3": "whole",
     "internvl": "whole",
     "mistral3": "sized",
+    "gemma4": "patches",
 }
 _IMAGE_BLOCKS = ("gemma3",)
 SUPPORTED_FAMILIES = tuple(_LAYOUTS)
+
+
+def _patch_inputs(fields: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Gemma 4's image keyword arguments from the pack's fields (positions kept shifted by one,
+    so that zero padding reads as the model's ``(-1, -1)``)."""
+    return {
+        "pixel_values": fields["pixel_values"],
+        "image_position_ids": fields["image_position_ids"] - 1,
+    }
 
 
 def image_blocks(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
@@ -461,10 +506,16 @@ def family_of(model_or_config: Any) -> Family:
     """The :class:`Family` of a transformers model or config.
 
     Raises:
-        ValueError: for a model type this module does not support, naming it.
+        ValueError: for a model type this module does not support, naming it, and for a
+            configuration of a supported one that cannot be packed exactly (with the reason).
     """
     cfg = _config(model_or_config)
     name = getattr(cfg, "model_type", None)
+    if name == "gemma4" and cfg.get_text_config().use_bidirectional_attention == "all":
+        raise ValueError(
+            "gemma4 with use_bidirectional_attention='all' is an encoder (every token sees the"
+            " whole row, no causal mask): lightning_vlmbalance.hf packs causal language models"
+        )
     if name not in _LAYOUTS:
         raise ValueError(
             f"lightning_vlmbalance.hf does not support model_type {name!r} yet (supported:"

@@ -32,6 +32,7 @@ TINY_FAMILIES = (
     "mistral3",
     "glm4v",
     "qwen3_5",
+    "gemma4",
 )
 BOI, EOI = 104, 105  # begin / end of image (Gemma, InternVL)
 IMG_BREAK, IMG_END = 106, 107  # Pixtral's row break and image end
@@ -186,6 +187,42 @@ def tiny_config(family: str, **text_overrides: Any) -> Any:
         )
         rope["mrope_interleaved"] = True
         return tf.Qwen3_5Config(text_config=text, vision_config=vision, **_QWEN_TOKENS)
+    if family == "gemma4":
+        # bidirectional within images, a sliding window shorter than the documents, per-layer
+        # inputs, and the last two layers reusing the first two's keys and values
+        text = {
+            **text,
+            "num_hidden_layers": 4,
+            "head_dim": 8,
+            "global_head_dim": 8,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "num_kv_shared_layers": 2,
+            "vocab_size_per_layer_input": text["vocab_size"],
+            "hidden_size_per_layer_input": 8,
+            "use_bidirectional_attention": "vision",
+        }
+        vision = {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "patch_size": 4,
+            "pooling_kernel_size": 2,
+            "position_embedding_size": 64,
+        }
+        return tf.Gemma4Config(
+            text_config=text,
+            vision_config=vision,
+            audio_config=None,
+            image_token_id=IMAGE_TOKEN,
+            video_token_id=VIDEO_TOKEN,
+            boi_token_id=BOI,
+            eoi_token_id=EOI,
+            audio_token_id=IMG_BREAK,
+        )
     raise ValueError(f"tiny_config: no tiny config for {family!r} (have {TINY_FAMILIES})")
 
 
@@ -236,7 +273,7 @@ class SyntheticProcessed(torch.utils.data.Dataset):
         ids = text() if images else text(*self.text_only_len)
         item: dict[str, Any] = {}
         if images:
-            flat = ("qwen", "internvl", "mistral3", "glm4v")
+            flat = ("qwen", "internvl", "mistral3", "glm4v", "gemma4")
             one_sample = images if self.family.startswith(flat) else [images]
             item = dict(self._processor(images=one_sample, return_tensors="pt"))
             for placeholder in self._placeholders(item, images):
@@ -248,7 +285,10 @@ class SyntheticProcessed(torch.utils.data.Dataset):
         if self.family == "gemma3":  # Gemma3Processor's name for the same marking
             item["token_type_ids"] = (item["input_ids"] == IMAGE_TOKEN).long()
             item.pop("num_crops", None)  # the processor drops it
+        if self.family == "gemma4":  # Gemma4Processor's marking
+            item["mm_token_type_ids"] = (item["input_ids"] == IMAGE_TOKEN).long()
         item.pop("num_patches", None)  # InternVLProcessor lays out the text with it, then drops it
+        item.pop("num_soft_tokens_per_image", None)  # so does Gemma4Processor
         return item
 
     def _placeholders(self, item: dict, images: list[np.ndarray]) -> list[list[int]]:
@@ -269,6 +309,9 @@ class SyntheticProcessed(torch.utils.data.Dataset):
             return [[IMAGE_TOKEN] * (n - drop) for n in counts]
         if self.family == "gemma3":  # "<boi>" + image soft tokens + "<eoi>" per image
             return [[BOI] + [IMAGE_TOKEN] * cfg.mm_tokens_per_image + [EOI] for _ in images]
+        if self.family == "gemma4":  # as many soft tokens as the image processor made
+            counts = item["num_soft_tokens_per_image"].tolist()
+            return [[BOI] + [IMAGE_TOKEN] * n + [EOI] for n in counts]
         if self.family == "internvl":  # "<img>" + 4 tokens per tile + "</img>" per image
             tiles = item["num_patches"].tolist()
             return [[BOI] + [IMAGE_TOKEN] * (cfg.image_seq_length * t) + [EOI] for t in tiles]
@@ -297,6 +340,11 @@ def _image_processor(config: Any) -> Any:
             merge_size=vc.spatial_merge_size,
             temporal_patch_size=vc.temporal_patch_size,
             size={"shortest_edge": 64, "longest_edge": 48 * 48},
+        )
+    if config.model_type == "gemma4":
+        vc = config.vision_config
+        return tf.Gemma4ImageProcessorPil(
+            patch_size=vc.patch_size, pooling_kernel_size=vc.pooling_kernel_size, max_soft_tokens=70
         )
     if config.model_type.startswith("qwen"):
         vc = config.vision_config

@@ -44,9 +44,19 @@ def test_every_family_packs_exactly_in_float64(family):
         assert d.grad_diff <= grad_tol * max(1.0, d.grad_scale)
 
 
-NORMS = {
-    "gemma3": "gemma3.modeling_gemma3.Gemma3RMSNorm",
-    "qwen3_5": "qwen3_5.modeling_qwen3_5.Qwen3_5RMSNorm",
+NORMS = {  # each family's RMSNorm, and its forward computing in the input's dtype
+    "gemma3": (
+        "gemma3.modeling_gemma3.Gemma3RMSNorm",
+        lambda self, x: self._norm(x) * (1 + self.weight),
+    ),
+    "gemma4": (
+        "gemma4.modeling_gemma4.Gemma4RMSNorm",
+        lambda self, x: self._norm(x) * self.weight if self.with_scale else self._norm(x),
+    ),
+    "qwen3_5": (
+        "qwen3_5.modeling_qwen3_5.Qwen3_5RMSNorm",
+        lambda self, x: self._norm(x) * (1 + self.weight),
+    ),
 }
 
 
@@ -57,9 +67,10 @@ def test_float32_norms_are_the_only_reason_for_the_looser_gradient_tolerance(fam
     1e-10 as well (Qwen3.5: its linear-attention layers run per document exactly)."""
     import importlib
 
-    module, cls = NORMS[family].rsplit(".", 1)
+    path, forward = NORMS[family]
+    module, cls = path.rsplit(".", 1)
     norm = getattr(importlib.import_module(f"transformers.models.{module}"), cls)
-    monkeypatch.setattr(norm, "forward", lambda self, x: self._norm(x) * (1 + self.weight))
+    monkeypatch.setattr(norm, "forward", forward)
     model = _model(family)
     report = vbhf.check_packing(model, _items(model), tolerance=1e-10)
     assert report.ok and report.grad_tolerance is None, str(report)

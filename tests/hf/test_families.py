@@ -76,7 +76,8 @@ def _images(item: Mapping) -> int:
     if "image_sizes" in item:
         return int(item["image_sizes"].shape[0])
     pix = item["pixel_values"]
-    return int(pix.shape[0] if pix.dim() == 4 else pix.shape[1])  # Gemma: (images, C, H, W)
+    # Gemma 3 (images, C, H, W), Gemma 4 (images, patches, dim); tiles (1, tiles, C, H, W)
+    return int(pix.shape[0] if pix.dim() in (3, 4) else pix.shape[1])
 
 
 def _doc_logits(logits: torch.Tensor, batch: dict) -> list[torch.Tensor]:

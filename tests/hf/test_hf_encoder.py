@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from harness.ranks import run_ranks
+from lightning_vlmbalance.hf.check import FLOAT32_NORMS
 from lightning_vlmbalance.hf.synthetic import TINY_FAMILIES
 
 # seed 1: items 0, 1, 2 have images and 3 is text-only, in every family
@@ -137,7 +138,10 @@ def _route_job(rank: int, world: int, family: str, scenario: str, wrap: str = "n
 # ``.forward`` (not the module), which skips the model's own hooks
 CASES = (
     [(f, "swap", "none") for f in TINY_FAMILIES]
-    + [(f, "text_only", "none") for f in ("qwen3_vl", "llava_onevision", "idefics3")]
+    + [
+        (f, "text_only", "none")
+        for f in ("qwen3_vl", "llava_onevision", "idefics3", "gemma4", "mistral3", "qwen3_5")
+    ]
     + [("qwen2_5_vl", "swap", "peft"), ("idefics3", "text_only", "calls_forward")]
     + [("qwen3_vl", "swap", "calls_forward")]
 )
@@ -162,7 +166,8 @@ def test_encoder_balancing_gives_the_gradients_of_encoding_at_home(
     for g in got:
         home, routed = g["loss"]
         assert abs(routed - home) <= 1e-10 * abs(home), g
-        assert g["grad_rel"] <= 1e-10, g
+        # Gemma's and Qwen3.5's RMSNorm reduce their weights' gradients in float32
+        assert g["grad_rel"] <= (1e-6 if family in FLOAT32_NORMS else 1e-10), g
 
 
 def test_images_waiting_for_a_forward_are_never_left_for_another_batch() -> None:

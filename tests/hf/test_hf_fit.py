@@ -34,7 +34,7 @@ def _launch(root: Path, *fits: tuple[str, ...]) -> tuple[str, ...]:
 # compared with it, CompiledMoERouting (it patches the experts) last
 # the families added in the second wave: encoder balancing with text-only packs on both ranks,
 # under "vlmbalance" (DDP) and "fsdp_vlmbalance" (FSDP2), one launch per strategy
-NEW_FAMILIES = ("gemma3", "internvl", "smolvlm", "mistral3", "glm4v", "qwen3_5")
+NEW_FAMILIES = ("gemma3", "gemma4", "internvl", "smolvlm", "mistral3", "glm4v", "qwen3_5")
 NEW = ("--encoder", "--text-share", "0.9", *FP32)
 
 LAUNCHES = {
@@ -176,7 +176,7 @@ def test_hf_main_job_trains_and_logs(fits: dict) -> None:
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_new_families_train_with_encoder_balancing_and_text_only_packs(fits: dict, family: str):
-    """Gemma 3, InternVL, SmolVLM2, Mistral 3, GLM-4.1V and Qwen3.5 on 2 ranks with encoder
+    """Gemma 3 and 4, InternVL, SmolVLM2, Mistral 3, GLM-4.1V and Qwen3.5 on 2 ranks with encoder
     balancing, text-only packs on both ranks, under DDP and FSDP2: no error, no hang, images
     encoded on the other rank, and the same losses under both strategies (the same math)."""
     ddp, fsdp = _result(fits, f"{family}_ddp"), _result(fits, f"{family}_fsdp")
