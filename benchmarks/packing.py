@@ -1,8 +1,9 @@
 """Benchmark of the packing core on real per-sample length statistics.
 
 What it measures, for one packer (``greedy``: ``pack_greedy``, shuffled fill with pair completion;
-``bfd``: plain best-fit-decreasing; ``budget``: best-fit-decreasing with an image-token budget per
-pack) on one sample mix:
+``greedy_cap``: the same under ``--image-budget`` image tokens per pack, what
+``PackingSampler(max_image_tokens_per_pack=...)`` runs; ``bfd``: plain best-fit-decreasing;
+``budget``: best-fit-decreasing with an image-token budget per pack) on one sample mix:
 
 * packing quality: ``efficiency`` = sample tokens / (packs x ``seq_len``), next to ``limit``, the
   best any packer could do (sum / (ceil(sum / seq_len) x seq_len)), and ``gap_to_limit``;
@@ -95,6 +96,10 @@ def make_packer(
     """The packer call to time, as a function of the lengths."""
     if name == "greedy":
         return lambda total: pack_greedy(total, seq_len, window=window)
+    if name == "greedy_cap":  # PackingSampler(max_image_tokens_per_pack=image_budget)
+        return lambda total: pack_greedy(
+            total, seq_len, window=window, image_tokens=image_tokens, max_image_tokens=image_budget
+        )
     if name == "bfd":
         return lambda total: pack_best_fit_decreasing(total, seq_len, window=window)
     if name == "budget":
@@ -149,7 +154,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="fraction of text-only samples after resampling, in [0, 1)",
     )
     parser.add_argument("--seq-len", type=int, required=True, metavar="N", help="pack capacity")
-    parser.add_argument("--packer", choices=("greedy", "bfd", "budget"), default="greedy")
+    parser.add_argument(
+        "--packer", choices=("greedy", "greedy_cap", "bfd", "budget"), default="greedy"
+    )
     parser.add_argument(
         "--image-budget",
         type=int,
@@ -204,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     overlong_mask = total_all > args.seq_len
     empty_mask = total_all < 1  # a packer rejects empty samples; none in the shared data
     over_budget_mask = np.zeros_like(overlong_mask)
-    if args.packer == "budget":
+    if args.packer in ("budget", "greedy_cap"):
         over_budget_mask = ~overlong_mask & (image_all > args.image_budget)
     keep = ~(overlong_mask | empty_mask | over_budget_mask)
     total = total_all[keep]
@@ -232,6 +239,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     tokens_sum = int(total.sum())
     efficiency = packing_efficiency(pack_tokens, args.seq_len)
     limit = tokens_sum / (math.ceil(tokens_sum / args.seq_len) * args.seq_len)
+    budget_limit = None
+    if args.packer in ("budget", "greedy_cap"):
+        # with a vision-token budget no plan has fewer packs than the image tokens need
+        packs_needed = max(
+            math.ceil(tokens_sum / args.seq_len), math.ceil(float(image.sum()) / args.image_budget)
+        )
+        budget_limit = round(tokens_sum / (packs_needed * args.seq_len), 6)
     mean_img = float(pack_images.mean())
     return {
         "packer": args.packer,
@@ -245,6 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "efficiency": round(efficiency, 6),
         "limit": round(limit, 6),
         "gap_to_limit": round(limit - efficiency, 6),
+        "budget_limit": budget_limit,
         "samples_per_s": round(n / median_s, 1) if median_s > 0 else float("inf"),
         "median_s": round(median_s, 6),
         "times_s": [round(t, 6) for t in times],
@@ -255,7 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "overlong": int(overlong_mask.sum()),
         "empty": int(empty_mask.sum()),
         "over_image_budget": int(over_budget_mask.sum()),
-        "image_budget": args.image_budget if args.packer == "budget" else None,
+        "image_budget": args.image_budget if args.packer in ("budget", "greedy_cap") else None,
         "image_token_share": round(float(image.sum()) / tokens_sum, 6),
         "mean_image_tokens_per_pack": round(mean_img, 3),
         "max_image_tokens_per_pack": int(pack_images.max()),

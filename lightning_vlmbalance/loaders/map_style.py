@@ -334,6 +334,12 @@ class PackingSampler(SequentialSampler):  # type: ignore[type-arg]
         self.image_tokens = _column(image_tokens, "image_tokens", np.zeros_like(self.total_tokens))
         self.config = config if config is not None else PackingConfig(**options)
         self.source_balance = _as_source_balance(balance)
+        if self.source_balance is not None and self.config.max_image_tokens_per_pack is not None:
+            raise ValueError(
+                "`PackingSampler(max_image_tokens_per_pack=..., balance=...)`: the source"
+                " balance forms its own packs and does not keep a vision-token budget yet; use"
+                " one or the other"
+            )
         # what the trainer decides where the settings leave it (set_micro_steps)
         self._trainer_micro_steps, self._trainer_objective = 1, "auto"
         # how the strategy's loader trains an epoch (decide_epochs), and each epoch's decision

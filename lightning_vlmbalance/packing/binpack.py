@@ -99,6 +99,59 @@ def _pack_window(lengths: list[int], seq_len: int) -> tuple[list[list[int]], lis
     return packs, fills
 
 
+def _pack_window_capped(
+    lengths: list[int], images: list[int], seq_len: int, cap: int
+) -> tuple[list[list[int]], list[int]]:
+    """:func:`_pack_window` under a second capacity: at most ``cap`` image tokens per pack.
+
+    Fills in window order while the two longest remaining samples still fit (a sample whose
+    image tokens no longer fit stays for a later pack), then closes the pack with the longest
+    remaining samples that fit both capacities, earliest first among equals. Every sample has
+    ``images <= cap`` (checked by the caller), so every pack takes at least one.
+    """
+    n = len(lengths)
+    L = np.asarray(lengths, dtype=np.int64)
+    img = np.asarray(images, dtype=np.int64)
+    alive = np.ones(n, dtype=bool)
+    count = np.bincount(L, minlength=seq_len + 1).tolist()
+    longest = int(L.max()) if n else 0
+    packs: list[list[int]] = []
+    fills: list[int] = []
+    cursor, left = 0, n
+
+    def take(i: int) -> None:
+        nonlocal longest, left
+        alive[i] = False
+        left -= 1
+        count[lengths[i]] -= 1
+        while longest > 0 and count[longest] == 0:
+            longest -= 1
+
+    while left:
+        room, image_room = seq_len, cap
+        pack: list[int] = []
+        while cursor < n and room > 2 * longest:
+            i = cursor
+            cursor += 1
+            if alive[i] and images[i] <= image_room:
+                take(i)
+                pack.append(i)
+                room -= lengths[i]
+                image_room -= images[i]
+        while True:
+            fits = np.flatnonzero(alive & (L <= room) & (img <= image_room))
+            if not len(fits):
+                break
+            i = int(fits[L[fits].argmax()])
+            take(i)
+            pack.append(i)
+            room -= lengths[i]
+            image_room -= images[i]
+        packs.append(pack)
+        fills.append(seq_len - room)
+    return packs, fills
+
+
 @dataclass(frozen=True, slots=True)
 class Packs:
     """Packs in compressed form: pack ``i`` holds ``positions[offsets[i]:offsets[i + 1]]``.
@@ -139,7 +192,13 @@ class Packs:
 
 
 def pack_greedy(
-    lengths: np.ndarray, seq_len: int, *, window: int = 4096, min_fill: float = 0.98
+    lengths: np.ndarray,
+    seq_len: int,
+    *,
+    window: int = 4096,
+    min_fill: float = 0.98,
+    image_tokens: np.ndarray | None = None,
+    max_image_tokens: int | None = None,
 ) -> Packs:
     """Packs samples, in the given order, into packs of at most ``seq_len`` tokens.
 
@@ -151,6 +210,9 @@ def pack_greedy(
             to the training order.
         min_fill: packs filled below this fraction are dissolved (once per sample) and their
             samples carried to the front of the next window. The last window keeps every pack.
+        image_tokens: image tokens of each sample (with ``max_image_tokens``).
+        max_image_tokens: at most this many image tokens per pack (a vision-token budget: the
+            vision encoder's memory grows with its patches); a sample over it is an error.
 
     Returns:
         The packs, in emission order, as positions into ``lengths``. Every position appears in
@@ -165,6 +227,22 @@ def pack_greedy(
         raise ValueError(f"`pack_greedy(window={window!r})` must be >= 1")
     if not 0.0 <= min_fill <= 1.0:
         raise ValueError(f"`pack_greedy(min_fill={min_fill!r})` must be in [0, 1]")
+    images = None
+    if max_image_tokens is not None:
+        if image_tokens is None or max_image_tokens < 1:
+            raise ValueError(
+                f"`pack_greedy(max_image_tokens={max_image_tokens!r})` needs `image_tokens` and"
+                " a positive budget"
+            )
+        images = np.asarray(image_tokens, dtype=np.int64)
+        raise_for_first_bad(
+            images > max_image_tokens,
+            lambda i, k: (
+                f"sample at position {i} has {int(images[i])} image tokens, more than"
+                f" `max_image_tokens_per_pack={max_image_tokens}` ({k} such samples): images are"
+                " never cut; raise the budget or leave those samples out"
+            ),
+        )
     n = len(lengths)
     limit = min_fill * seq_len
     carried = np.zeros(n, dtype=bool)
@@ -175,7 +253,15 @@ def pack_greedy(
         stop = min(start + window, n)
         positions = np.concatenate([carry, np.arange(start, stop, dtype=np.int64)])
         last = stop == n
-        packs, fills = _pack_window(lengths[positions].tolist(), seq_len)
+        if images is None:
+            packs, fills = _pack_window(lengths[positions].tolist(), seq_len)
+        else:
+            packs, fills = _pack_window_capped(
+                lengths[positions].tolist(),
+                images[positions].tolist(),
+                seq_len,
+                int(max_image_tokens),  # type: ignore[arg-type]
+            )
         keep: list[int] = []
         next_carry: list[np.ndarray] = []
         for local, fill in zip(packs, fills):

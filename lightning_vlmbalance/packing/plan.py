@@ -80,6 +80,9 @@ class PackingConfig:
             (best-fit-decreasing with ``image_budget`` image tokens per pack: the load-balancing
             baseline whose packing efficiency collapses).
         image_budget: image tokens allowed per pack with ``packer="budget"``.
+        max_image_tokens_per_pack: a vision-token budget for the ``"greedy"`` packer: no pack
+            holds more image tokens (the vision encoder's memory grows with its patches); a
+            sample over it is an error naming it. Packs stay as full as the budget allows.
     """
 
     seq_len: int
@@ -91,6 +94,7 @@ class PackingConfig:
     remainder: Remainder = "pad"
     packer: Packer = "greedy"
     image_budget: int | None = None
+    max_image_tokens_per_pack: int | None = None
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -107,6 +111,12 @@ class PackingConfig:
             )
         if self.packer not in _PACKERS:
             raise ValueError(f"`PackingConfig(packer={self.packer!r})` is not one of {_PACKERS}")
+        cap = self.max_image_tokens_per_pack
+        if cap is not None and (self.packer != "greedy" or cap < 1):
+            raise ValueError(
+                f"`PackingConfig(max_image_tokens_per_pack={cap!r})` is a positive budget for the"
+                f" 'greedy' packer (packer={self.packer!r})"
+            )
         if (self.packer == "budget") != (self.image_budget is not None):
             raise ValueError(
                 "`PackingConfig(image_budget=...)` is required with, and only with, packer='budget'"
@@ -304,7 +314,14 @@ def _pack_shard(
     ids: np.ndarray, lengths: np.ndarray, image_tokens: np.ndarray, config: PackingConfig
 ) -> Packs:
     if config.packer == "greedy":
-        return pack_greedy(lengths, config.seq_len, window=config.window, min_fill=config.min_fill)
+        return pack_greedy(
+            lengths,
+            config.seq_len,
+            window=config.window,
+            min_fill=config.min_fill,
+            image_tokens=image_tokens,
+            max_image_tokens=config.max_image_tokens_per_pack,
+        )
     if config.packer == "bfd":
         return pack_best_fit_decreasing(lengths, config.seq_len, window=config.window)
     return pack_best_fit_decreasing(

@@ -112,3 +112,55 @@ def test_bad_settings_are_named() -> None:
         pack_greedy(np.array([1]), 10, min_fill=1.5)
     with pytest.raises(ValueError, match="image_budget"):
         pack_best_fit_decreasing(np.array([5]), 10, image_tokens=np.array([6]), image_budget=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths_st, st.integers(1, 50), st.floats(0.0, 1.0), st.data())
+def test_greedy_with_a_vision_budget_keeps_both_capacities(case, window, min_fill, data) -> None:
+    """``max_image_tokens``: every sample once, no pack over ``seq_len`` or over the budget."""
+    seq_len, lengths = case
+    lengths = np.asarray(lengths, dtype=np.int64)
+    image = np.asarray(
+        [data.draw(st.integers(0, int(n))) for n in lengths.tolist()], dtype=np.int64
+    )
+    budget = data.draw(st.integers(max(int(image.max(initial=0)), 1), max(2 * seq_len, 1)))
+    packs = pack_greedy(
+        lengths,
+        seq_len,
+        window=window,
+        min_fill=min_fill,
+        image_tokens=image,
+        max_image_tokens=budget,
+    )
+    _check_packs(packs, lengths, seq_len)
+    assert len(packs) == 0 or packs.tokens(image).max() <= budget
+
+
+def test_vision_budget_packs_full_where_the_budget_allows() -> None:
+    """On a synthetic mix, a budget above the packs' mean image load costs little fill; the
+    same budget in the best-fit-decreasing baseline costs more; no budget is unchanged."""
+    table = synthetic_length_table(20_000, text_share=0.2, seed=3)
+    keep = table.total_tokens <= 4096
+    total, image = table.total_tokens[keep], table.image_tokens[keep]
+    free = pack_greedy(total, 4096)
+    assert pack_greedy(total, 4096, image_tokens=image, max_image_tokens=None).offsets.tolist() == (
+        free.offsets.tolist()
+    )
+    mean_load = image.sum() / len(free)
+    budget = int(1.25 * mean_load)
+    capped = pack_greedy(total, 4096, image_tokens=image, max_image_tokens=budget)
+    assert capped.tokens(image).max() <= budget < free.tokens(image).max()
+    eff = packing_efficiency(capped.tokens(total), 4096)
+    bfd = pack_best_fit_decreasing(total, 4096, image_tokens=image, image_budget=budget)
+    assert eff >= 0.95 and eff > packing_efficiency(bfd.tokens(total), 4096)
+
+
+def test_vision_budget_names_the_sample_over_it() -> None:
+    with pytest.raises(
+        ValueError, match=r"position 1 has 50 image tokens.*max_image_tokens_per_pack=40"
+    ):
+        pack_greedy(
+            np.array([10, 60, 5]), 64, image_tokens=np.array([0, 50, 0]), max_image_tokens=40
+        )
+    with pytest.raises(ValueError, match="needs `image_tokens`"):
+        pack_greedy(np.array([10]), 64, max_image_tokens=40)

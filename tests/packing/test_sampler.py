@@ -391,3 +391,29 @@ def test_settings_assigned_after_a_pass_reach_the_next_pass(workers: int) -> Non
             patch_dim=4,
         )
     assert loader.dataset.__class__ is _Fives  # refused: nothing changed
+
+
+def test_vision_token_budget_per_pack_through_the_loader() -> None:
+    """``PackingSampler(max_image_tokens_per_pack=...)``: the collated packs of both ranks hold
+    every sample once and no more image tokens than the budget (the same table packs above it
+    without one); the budget is part of the fingerprint; settings it cannot keep are refused."""
+    free = _setup()[3]
+    most = max(b["meta"]["image_tokens"] for b in free)
+    budget = most // 2
+    seen, loads = [], []
+    for rank in (0, 1):
+        table, _, _, loader = _setup(rank=rank, max_image_tokens_per_pack=budget)
+        for b in loader:
+            seen += b["meta"]["sample_ids"]
+            loads.append(b["meta"]["image_tokens"])
+    assert sorted(seen) == list(range(len(table.total_tokens)))
+    assert max(loads) <= budget < most
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match=f"max_image_tokens_per_pack: saved {budget}, now None"):
+        _setup(rank=1)[3].load_state_dict(state)
+    with pytest.raises(ValueError, match="image tokens, more than `max_image_tokens_per_pack=1`"):
+        _setup(max_image_tokens_per_pack=1)[2].plan(0)
+    with pytest.raises(ValueError, match="'greedy' packer"):
+        vb.PackingConfig(seq_len=8, packer="bfd", max_image_tokens_per_pack=4)
+    with pytest.raises(ValueError, match="balance="):
+        _setup(max_image_tokens_per_pack=budget, balance=True)
