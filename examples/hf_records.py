@@ -26,8 +26,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from PIL import Image
 
 import lightning_vlmbalance as vb
-import lightning_vlmbalance.hf as vbhf
-from examples.hf_vlm import HFVLM
+from examples.hf_vlm import HFVLM, PackedHFData
 from examples.train import RunSummary, print_run
 from lightning_vlmbalance.hf.offline import tiny_processor
 from lightning_vlmbalance.hf.records import ChatRecords
@@ -65,23 +64,13 @@ def write_demo_records(root: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-class RecordsData(L.LightningDataModule):
-    """``ChatRecords`` packed by ``PackingSampler``."""
+class RecordsData(PackedHFData):
+    """``ChatRecords`` through the family's processor, packed by ``PackingSampler``."""
 
     def __init__(self, records: Path, family: str, seq_len: int, seed: int) -> None:
-        super().__init__()
-        self.config, self.seq_len, self.seed = tiny_config(family), seq_len, seed
-        self.dataset = ChatRecords(records, tiny_processor(family, self.config))
-        self.lengths = vbhf.item_lengths(self.dataset, self.config)
-        self.loader: vb.PackedDataLoader | None = None
-
-    def train_dataloader(self) -> vb.PackedDataLoader:
-        sampler = vb.PackingSampler(
-            self.lengths.total_tokens, self.lengths.image_tokens, seq_len=self.seq_len
-        )
-        collate = vbhf.HFPackCollator(self.config, self.seq_len)
-        self.loader = vb.PackedDataLoader(self.dataset, sampler, collate, trainer=self.trainer)
-        return self.loader
+        config = tiny_config(family)
+        dataset = ChatRecords(records, tiny_processor(family, config))
+        super().__init__(config, dataset, seq_len=seq_len, seed=seed)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

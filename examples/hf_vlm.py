@@ -49,25 +49,13 @@ class HFVLM(L.LightningModule):
 # --- end of the user's code ----------------------------------------------------------------------
 
 
-class HFData(L.LightningDataModule):
-    """Processor outputs of synthetic samples, packed by ``PackingSampler``."""
+class PackedHFData(L.LightningDataModule):
+    """Processor outputs (``dataset``) packed by ``PackingSampler``, lengths from the items."""
 
-    def __init__(
-        self,
-        config: Any,
-        *,
-        n: int,
-        seq_len: int,
-        text_share: float,
-        seed: int,
-        max_images: int = 2,
-    ) -> None:
+    def __init__(self, config: Any, dataset: Any, *, seq_len: int, seed: int) -> None:
         super().__init__()
-        self.config, self.seq_len, self.seed = config, seq_len, seed
-        self.dataset = SyntheticProcessed(
-            config, n, seed=seed, text_share=text_share, max_images=max_images
-        )
-        self.lengths = vbhf.item_lengths(self.dataset, config)  # from the same processor
+        self.config, self.dataset, self.seq_len, self.seed = config, dataset, seq_len, seed
+        self.lengths = vbhf.item_lengths(dataset, config)  # from the same processor
         self.loader: vb.PackedDataLoader | None = None
 
     def train_dataloader(self) -> vb.PackedDataLoader:
@@ -80,6 +68,25 @@ class HFData(L.LightningDataModule):
         collate = vbhf.HFPackCollator(self.config, self.seq_len)
         self.loader = vb.PackedDataLoader(self.dataset, sampler, collate, trainer=self.trainer)
         return self.loader
+
+
+class HFData(PackedHFData):
+    """Processor outputs of synthetic samples, packed by ``PackingSampler``."""
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        n: int,
+        seq_len: int,
+        text_share: float,
+        seed: int,
+        max_images: int = 2,
+    ) -> None:
+        dataset = SyntheticProcessed(
+            config, n, seed=seed, text_share=text_share, max_images=max_images
+        )
+        super().__init__(config, dataset, seq_len=seq_len, seed=seed)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
