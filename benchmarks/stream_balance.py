@@ -12,7 +12,7 @@ stream's ``overlap`` waste within 1.5x of the map-style one's. ``stream_tail_fra
 packs' share of the epoch's packs (ranks whose streams end first pad until the last one ends).
 
 Speed: ``PackedStreamLoader``'s per-worker work before decoding, one process: each record's
-lengths (``examples/stream_data.record_tokens``: PNG headers read, no pixel decoded; and a
+lengths (``lightning_vlmbalance.streams.record_tokens``: PNG headers read, no pixel decoded; and a
 precomputed column) and the windowed packing; records per second, median of ``--repeat``.
 """
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import add_json_flag, print_json, stamp
 from stream_packing import tables
 
-from examples import stream_data
+from lightning_vlmbalance import streams as stream_data
 from lightning_vlmbalance.packing.stream import pack_stream_windows
 from lightning_vlmbalance.sim.simulate import simulate
 

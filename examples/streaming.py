@@ -3,9 +3,9 @@
     python -m examples.streaming                      # both formats, 3,000 records
     python -m examples.streaming --formats hf --samples 1000
 
-It writes a small synthetic VLM dataset (``examples/stream_data.py``: token ids and PNG-encoded
-images) as Hugging Face parquet shards and as a LitData ``optimize()`` directory, then for each
-format trains one epoch under ``strategy="vlmbalance"`` (overlapped pack exchange) with the
+It writes a small synthetic VLM dataset (``lightning_vlmbalance/streams.py``: token ids and
+PNG-encoded images) as Hugging Face parquet shards and as a LitData ``optimize()`` directory,
+then for each format trains one epoch under ``strategy="vlmbalance"`` (overlapped pack exchange) with the
 ``StragglerMonitor``, reading the records through ``PackedStreamLoader`` (2 workers per rank: the
 records are measured from their PNG headers, packed in bounded windows, decoded only when
 packed), saving a checkpoint mid-epoch. A second run resumes from that checkpoint; the job
@@ -32,8 +32,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_vlmbalance as vb
-from examples import stream_data
 from examples.vlm import ToyVLM
+from lightning_vlmbalance import streams as stream_data
 
 FORMATS = ("hf", "litdata")
 _ROOT_ENV = "VLMBALANCE_STREAMING_ROOT"

@@ -8,7 +8,7 @@ loader, any strategy).
         [--devices 2] [--shares 0.7 0.3] [--buffer 16] [--num-workers 2] [--accumulate 2]
         [--epochs 1] [--checkpoint-every N] [--val-every N] [--fail-at-step K] [--resume CKPT]
 
-The records are ``examples/stream_data.py``'s (``SAMPLES`` of them, record ``uid`` = index),
+The records are ``lightning_vlmbalance/streams.py``'s (``SAMPLES`` of them, record ``uid`` = index),
 written once to ``--data`` as 8 parquet shards and a LitData directory (under a file lock: jobs
 running side by side may share ``--data``). Loaders:
 
@@ -60,8 +60,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import Dataset
 
 import lightning_vlmbalance as vb
-from examples import stream_data
 from examples.vlm import SMALL_VLM, ToyVLM
+from lightning_vlmbalance import streams as stream_data
 from tests.launch import fit_arg_lists
 from tests.packing.lightning_job import step_checkpoints
 

@@ -4,7 +4,7 @@
         [--strategy vlmbalance|ddp] [--mode overlap] [--encoder] [--num-workers 2]
         [--max-steps N] [--checkpoint-every N] [--resume CKPT] [--shares 0.7 0.3]
 
-The data (``examples/stream_data.py`` records) is written to ``--data`` by the first process
+The data (``lightning_vlmbalance/streams.py`` records) is written to ``--data`` by the first process
 that finds it missing (rank 0 runs ``main`` before Lightning starts rank 1). Each rank writes
 ``OUT/rank{r}.json``: per micro-batch ``[epoch, global_step, keys, padding, loss_weight]``, and
 the loader's report (padding packs, bad samples). Several fits per launch: ``--then``.
@@ -22,8 +22,8 @@ import lightning as L
 import torch
 
 import lightning_vlmbalance as vb
-from examples import stream_data
 from examples.vlm import SMALL_VLM, ToyVLM
+from lightning_vlmbalance import streams as stream_data
 from tests.launch import fit_arg_lists
 from tests.packing.lightning_job import step_checkpoints
 

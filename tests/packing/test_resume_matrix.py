@@ -72,8 +72,8 @@ from typing import Any
 
 import pytest
 
-from examples.stream_data import ShardedRecords
 from harness.jobs import result, run_jobs, selected
+from lightning_vlmbalance.streams import ShardedRecords
 from tests.launch import THEN
 from tests.packing.resume_job import INJECTED, SAMPLES
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 import lightning_vlmbalance as vb
-from examples import stream_data
+from lightning_vlmbalance import streams as stream_data
 from lightning_vlmbalance.loaders.global_batch import STEP_LEAD
 from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
 

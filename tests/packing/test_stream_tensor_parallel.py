@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from examples import stream_data
 from harness.ranks import run_ranks
+from lightning_vlmbalance import streams as stream_data
 
 SEQ_LEN = 256
 RECORDS = 120

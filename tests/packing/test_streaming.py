@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lightning_vlmbalance as vb
-from examples import stream_data
+from lightning_vlmbalance import streams as stream_data
 from lightning_vlmbalance.packing.stream import WindowState, pack_stream, pack_stream_windows
 
 SEQ_LEN = 256

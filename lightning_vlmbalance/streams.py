@@ -1,5 +1,12 @@
-"""A small synthetic VLM dataset as a streamed source: records with PNG-encoded images, written
-as Hugging Face parquet shards or a LitData ``optimize()`` directory, and read back as a stream.
+"""Streamed records with encoded images: written as Hugging Face parquet shards or a LitData
+``optimize()`` directory, read back as a stream, counted from the image headers.
+
+What a streaming user needs beyond :class:`~lightning_vlmbalance.PackedStreamLoader`: records
+from parquet (:func:`hf_stream`, Hugging Face ``datasets`` in streaming mode, split by node) and
+from LitData (:func:`litdata_stream`), any in-memory list as a sharded stream
+(:class:`ShardedRecords`), image sizes from encoded headers with no pixel decoded
+(:func:`header_sizes`), and a small synthetic dataset in this format (for tests and the
+streaming main job, ``examples/streaming.py``).
 
 A *record* (the same in every format) is::
 
@@ -28,6 +35,7 @@ __all__ = [
     "PATCH",
     "ShardedRecords",
     "decode_record",
+    "header_sizes",
     "hf_stream",
     "litdata_stream",
     "record_tokens",
@@ -83,14 +91,23 @@ def _images(record: dict[str, Any]) -> list[bytes]:
     return out
 
 
-def record_tokens(record: dict[str, Any]) -> tuple[int, int]:
-    """``(total_tokens, image_tokens)`` of a record from its PNG headers (nothing decoded)."""
+def header_sizes(blobs: list[bytes]) -> list[tuple[int, int]]:
+    """``(height, width)`` of each encoded image (PNG, JPEG, any format PIL reads) from its
+    header alone: no pixel is decoded."""
     from PIL import Image
 
-    image = 0
-    for png in _images(record):
-        width, height = Image.open(io.BytesIO(png)).size  # reads the header only
-        image += (height // PATCH[0]) * (width // PATCH[1])
+    out = []
+    for blob in blobs:
+        with Image.open(io.BytesIO(blob)) as im:  # lazy: reads the header only
+            width, height = im.size
+        out.append((height, width))
+    return out
+
+
+def record_tokens(record: dict[str, Any]) -> tuple[int, int]:
+    """``(total_tokens, image_tokens)`` of a synthetic record from its PNG headers (nothing
+    decoded): one image token per ``PATCH`` of pixels."""
+    image = sum((h // PATCH[0]) * (w // PATCH[1]) for h, w in header_sizes(_images(record)))
     return len(record["text"]) + image, image
 
 
