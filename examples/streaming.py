@@ -3,12 +3,12 @@
     python -m examples.streaming                      # both formats, 3,000 records
     python -m examples.streaming --formats hf --samples 1000
 
-It writes a small synthetic VLM dataset (``lightning_vlmbalance/streams.py``: token ids and
-PNG-encoded images) as Hugging Face parquet shards and as a LitData ``optimize()`` directory,
-then for each format trains one epoch under ``strategy="vlmbalance"`` (overlapped pack exchange) with the
-``StragglerMonitor``, reading the records through ``PackedStreamLoader`` (2 workers per rank: the
-records are measured from their PNG headers, packed in bounded windows, decoded only when
-packed), saving a checkpoint mid-epoch. A second run resumes from that checkpoint; the job
+It writes a small synthetic VLM dataset (``lightning_vlmbalance/streams.py``: token ids and PNG-
+encoded images) as Hugging Face parquet shards and as a LitData ``optimize()`` directory, then
+for each format trains one epoch under ``strategy="vlmbalance"`` (overlapped pack exchange) with
+the ``StragglerMonitor``, reading the records through ``PackedStreamLoader`` (2 workers per
+rank: the records are measured from their PNG headers, packed in bounded windows, decoded only
+when packed), saving a checkpoint mid-epoch. A second run resumes from that checkpoint; the job
 checks that it trains exactly the packs the uninterrupted run trained after it. It prints, per
 format, the packing efficiency, the padding packs, the share of time the ranks spent waiting,
 steps/s, and one ``SUMMARY_JSON`` line. TensorBoard logs and checkpoints go under ``--root``.
