@@ -288,6 +288,16 @@ class Family:
         if self.layout == "sized":  # one feature per (patch x merge) cell of the real size
             cell = int(self.config.vision_config.patch_size) * int(self.config.spatial_merge_size)
             sizes = ((fields["image_sizes"] // cell).prod(-1)).tolist()
+            if 1 in sizes:
+                k = sizes.index(1)
+                h, w = fields["image_sizes"][k].tolist()
+                raise ValueError(
+                    f"sample {sid}: image {k} is {h}x{w} pixels, one feature ({cell}x{cell}"
+                    " pixels or less): transformers'"
+                    f" {self.name} get_image_features fails on a call that holds only such an"
+                    " image (it squeezes its one row away), which a pack or an encoder rank can"
+                    " make at any step; give the processor a larger minimum size or leave it out"
+                )
             if sum(sizes) != total:
                 raise ValueError(
                     f"sample {sid}: image_sizes {fields['image_sizes'].tolist()} give {sum(sizes)}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -130,13 +131,20 @@ def prepare_model(model: torch.nn.Module) -> Family:
       projector parameter also covers parameters the model's forward never uses (LLaVA-OneVision
       reads SigLIP's hidden states before its last norm and head), which DDP would refuse.
 
+    A ``copy.deepcopy`` of a prepared model (an EMA or reference copy, ``check_packing``'s
+    float64 copy) carries hooks that read the original's parameters and state: the first call
+    on the copy removes them and prepares the copy itself.
+
     Raises:
         ValueError: for a model family that is not supported, naming it.
     """
     model = hf_model(model)
     family = family_of(model)
     if getattr(model, "_vlmbalance_family", None) is not None:
-        return model._vlmbalance_family
+        owner = getattr(model, "_vlmbalance_owner", None)
+        if owner is not None and owner() is model:
+            return model._vlmbalance_family
+        _remove_hooks(model)  # a copy of a prepared model: its hooks serve the original
     text_cfg = getattr(model.config, "text_config", model.config)
     if text_cfg._attn_implementation not in _VARLEN:
         log.info(
@@ -207,11 +215,24 @@ def prepare_model(model: torch.nn.Module) -> Family:
 
     # on the multimodal model (``model.model``), which the task head calls as a module: a
     # wrapper that calls the head's ``.forward`` directly (PEFT's tuners do) still reaches it
+    note_images._vlmbalance_hook = True  # type: ignore[attr-defined]
+    keep_vision_in_graph._vlmbalance_hook = True  # type: ignore[attr-defined]
     model.model.register_forward_pre_hook(note_images, with_kwargs=True)
     decoder.register_forward_pre_hook(keep_vision_in_graph, with_kwargs=True)
     model._vlmbalance_family = family
     model._vlmbalance_state = state
+    # a weak reference deep-copies as itself: a copy's owner is the original (see above)
+    model._vlmbalance_owner = weakref.ref(model)
     return family
+
+
+def _remove_hooks(model: Any) -> None:
+    """Drops :func:`prepare_model`'s hooks from ``model`` (those a deep copy carried over)."""
+    for module in (model.model, model.get_decoder()):
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if getattr(hook, "_vlmbalance_hook", False):
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def hf_model(model: Any) -> Any:

@@ -17,6 +17,7 @@ varlen kernels would do it in one; see ``docs/hugging_face.md``).
 from __future__ import annotations
 
 import itertools
+import types
 from typing import Any
 
 import torch
@@ -34,33 +35,34 @@ def is_linear_attention(module: torch.nn.Module) -> bool:
 
 def per_document(module: torch.nn.Module) -> None:
     """Makes ``module`` (a linear-attention layer) run each document of a packed row alone
-    (idempotent)."""
+    (idempotent). The wrapper is a method bound to ``module``: a ``copy.deepcopy`` of the model
+    rebinds it to the copy (a closure would keep calling the original's weights)."""
     if getattr(module, "_vlmbalance_per_document", False):
         return
-    original = module.forward
-
-    def forward(
-        hidden_states: torch.Tensor,
-        cache: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        cu = kwargs.get("cu_seq_lens_q")
-        for key in _PACKED_KEYS:
-            kwargs.pop(key, None)
-        if cu is None:
-            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        if cache is not None or hidden_states.shape[0] != 1:
-            raise ValueError(
-                f"{type(module).__name__}: a packed row is one row without a cache (got"
-                f" {hidden_states.shape[0]} rows, cache {type(cache).__name__})"
-            )
-        bounds = cu.tolist()
-        parts = [
-            original(hidden_states[:, a:b], cache=None, attention_mask=None, **kwargs)
-            for a, b in itertools.pairwise(bounds)
-        ]
-        return torch.cat(parts, dim=1)
-
-    module.forward = forward
+    module.forward = types.MethodType(_packed_forward, module)
     module._vlmbalance_per_document = True
+
+
+def _packed_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    original = type(self).forward
+    cu = kwargs.get("cu_seq_lens_q")
+    for key in _PACKED_KEYS:
+        kwargs.pop(key, None)
+    if cu is None:
+        return original(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    if cache is not None or hidden_states.shape[0] != 1:
+        raise ValueError(
+            f"{type(self).__name__}: a packed row is one row without a cache (got"
+            f" {hidden_states.shape[0]} rows, cache {type(cache).__name__})"
+        )
+    parts = [
+        original(self, hidden_states[:, a:b], cache=None, attention_mask=None, **kwargs)
+        for a, b in itertools.pairwise(cu.tolist())
+    ]
+    return torch.cat(parts, dim=1)

@@ -401,6 +401,16 @@ def _plan_in_packing_order(
     )
     keep = np.ones(n, dtype=bool)
     keep[skipped] = False
+    cap = config.max_image_tokens_per_pack
+    if cap is not None:  # named by the dataset's index (the packer sees shuffled positions)
+        raise_for_first_bad(
+            keep & (np.asarray(image_tokens) > cap),
+            lambda i, k: (
+                f"sample {i} has {int(image_tokens[i])} image tokens, more than"
+                f" `max_image_tokens_per_pack={cap}` ({k} such samples): images are never cut;"
+                " raise the budget or leave those samples out"
+            ),
+        )
 
     bounds = np.linspace(0, n, num_replicas + 1).astype(np.int64)  # contiguous shards
     shard_packs: list[list[np.ndarray]] = []

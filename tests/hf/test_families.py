@@ -509,3 +509,26 @@ def test_model_loss_follows_the_loss_contract(family):
     want = vb.packed_cross_entropy(out.logits, batch)
     assert batch["loss_tokens"] > 0
     torch.testing.assert_close(out.loss, want.loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen2_5_vl"])
+def test_a_deep_copy_of_a_prepared_model_is_its_own_model(family):
+    """An EMA / reference copy made with ``copy.deepcopy`` after training began computes with
+    its own weights (Qwen3.5's per-document linear-attention layers were bound to the original)
+    and gets its own hooks on first use; ``check_packing`` works on the prepared model."""
+    model = _packed_copy(family).train()
+    ds = _dataset(family)
+    batch = _pack(family, [ds[i] for i in MIXED])
+    model(**vbhf.model_inputs(model, batch)).loss.backward()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    fresh = _packed_copy(family).train()
+    fresh.load_state_dict(twin.state_dict())
+    with torch.no_grad():
+        got = twin(**vbhf.model_inputs(twin, batch)).logits
+        want = fresh(**vbhf.model_inputs(fresh, batch)).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert len(twin.model._forward_pre_hooks) == 1  # its own, the original's dropped
+    assert vbhf.check_packing(model, [ds[i] for i in MIXED], gradients=False).ok
