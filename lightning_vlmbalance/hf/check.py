@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_vlmbalance.hf.families import family_of
+from lightning_vlmbalance.hf.families import Family, family_of
 from lightning_vlmbalance.hf.inputs import (
     _VARLEN,
     ATTN_IMPLEMENTATION,
@@ -182,7 +182,7 @@ def check_packing(
             labels = batch["labels"][0, cu[i] : cu[i + 1]]
             got = packed[cu[i] : cu[i + 1]]
             with torch.set_grad_enabled(gradients):
-                alone = work(**_alone_inputs(item)).logits[0]
+                alone = work(**_alone_inputs(item, family)).logits[0]
             logit_diff = float((got - alone).detach().abs().max())
             logit_scale = float(alone.detach().abs().max())
             grad_diff = grad_scale = None
@@ -239,11 +239,15 @@ def _cast(item: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     return out
 
 
-def _alone_inputs(item: Mapping[str, Any]) -> dict[str, Any]:
-    """The processor output as the model's own keyword arguments: one row, no labels."""
+def _alone_inputs(item: Mapping[str, Any], family: Family) -> dict[str, Any]:
+    """The processor output as the model's own keyword arguments: one row, no labels. A Gemma
+    item without its processor's marking of the image tokens gets it (the pack attends within
+    each image as the processor marks it; the model alone would not, without the field)."""
     out = {k: v for k, v in item.items() if k != "labels" and v is not None}
     ids = torch.as_tensor(out["input_ids"])
     out["input_ids"] = ids if ids.dim() == 2 else ids[None]
+    if family.image_blocks and family._token_types not in out:
+        out[family._token_types] = (out["input_ids"] == family.image_token_id).long()
     for k in ("attention_mask", "mm_token_type_ids", "token_type_ids"):
         if k in out:
             t = torch.as_tensor(out[k])

@@ -169,3 +169,12 @@ def test_qwen3_5_linear_layers_leak_when_run_over_the_whole_row(monkeypatch):
     report = vbhf.check_packing(model, _items(model), gradients=False)
     first, *rest = report.documents
     assert first.ok and all(d.logit_diff > 1e-4 for d in rest), str(report)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_gemma_items_without_their_marking_are_checked_as_the_processor_marks_them(family):
+    """A pipeline that dropped Gemma's (mm_)token_type_ids: the pack attends within each image
+    as the processor marks it, and the reference alone gets the same marking (no false alarm)."""
+    model = _model(family)
+    items = [{k: v for k, v in it.items() if "token_type_ids" not in k} for it in _items(model)]
+    assert vbhf.check_packing(model, items, gradients=False).ok
