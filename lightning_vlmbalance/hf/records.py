@@ -128,7 +128,10 @@ class ChatRecords(torch.utils.data.Dataset):
         for path in self.image_paths(index):
             if not path.is_file():
                 raise ValueError(f"record {index}: image file {path} does not exist")
-            images.append(load_image(str(path)))
+            try:
+                images.append(load_image(str(path)))
+            except Exception as e:  # PIL's own error names the file, not the record
+                raise ValueError(f"record {index}: image file {path} cannot be read ({e})") from e
         messages = self.messages(index, images)
         out = self.processor.apply_chat_template(
             messages,

@@ -74,3 +74,7 @@ def test_labels_train_the_assistant_turns_only(tmp_path: Path) -> None:
     broken.records[1]["messages"][0]["content"] = [{"type": "image"}]
     with pytest.raises(ValueError, match=r"record 1: image file .*missing.png does not exist"):
         broken[1]
+    (tmp_path / "corrupt.png").write_bytes(b"not a png")
+    broken.records[1]["images"] = ["corrupt.png"]
+    with pytest.raises(ValueError, match=r"record 1: image file .*corrupt.png cannot be read"):
+        broken[1]
