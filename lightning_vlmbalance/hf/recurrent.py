@@ -43,6 +43,9 @@ def per_document(module: torch.nn.Module) -> None:
     module._vlmbalance_per_document = True
 
 
+# under torch.compile the per-document loop would recompile for every new document count (its
+# bounds are python ints): the layer runs eagerly between the compiled parts
+@torch.compiler.disable
 def _packed_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
