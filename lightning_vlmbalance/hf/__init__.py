@@ -14,7 +14,6 @@ Example::
 """
 
 from lightning_vlmbalance.hf.attention import ATTN_IMPLEMENTATION, register, vlmbalance_attention
-from lightning_vlmbalance.hf.check import DocumentCheck, PackingReport, check_packing
 from lightning_vlmbalance.hf.families import SUPPORTED_FAMILIES, Family, family_of
 from lightning_vlmbalance.hf.inputs import (
     HFPackCollator,
@@ -25,6 +24,18 @@ from lightning_vlmbalance.hf.inputs import (
 )
 
 register()
+
+_LAZY = {"DocumentCheck", "PackingReport", "check_packing"}
+
+
+def __getattr__(name: str) -> object:
+    # imported on first use, so that ``python -m lightning_vlmbalance.hf.check`` runs the module
+    # without it being imported twice (runpy warns about a module already in sys.modules)
+    if name in _LAZY:
+        from lightning_vlmbalance.hf import check
+
+        return getattr(check, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
