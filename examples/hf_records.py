@@ -28,6 +28,7 @@ from PIL import Image
 import lightning_vlmbalance as vb
 from examples.hf_vlm import HFVLM, PackedHFData
 from examples.train import RunSummary, print_run
+from lightning_vlmbalance.hf.lengths import header_lengths
 from lightning_vlmbalance.hf.offline import tiny_processor
 from lightning_vlmbalance.hf.records import ChatRecords
 from lightning_vlmbalance.hf.synthetic import TINY_FAMILIES, tiny_config
@@ -58,6 +59,8 @@ def write_demo_records(root: Path, n: int, seed: int = 0) -> Path:
             ]
         lines.append(json.dumps({"images": paths, "messages": messages}))
     path = root / "records.jsonl"
+    for stale in root.glob("records.*.lengths.npz"):  # made for the images written before
+        stale.unlink()
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)  # the file appears whole
@@ -70,7 +73,11 @@ class RecordsData(PackedHFData):
     def __init__(self, records: Path, family: str, seq_len: int, seed: int) -> None:
         config = tiny_config(family)
         dataset = ChatRecords(records, tiny_processor(family, config))
-        super().__init__(config, dataset, seq_len=seq_len, seed=seed)
+        # from the image headers and the tokenizer (no image decoded), saved beside the records
+        # with a fingerprint of the processor's settings; equal to item_lengths(dataset, config)
+        table = Path(records).with_suffix(f".{family}.lengths.npz")
+        lengths = header_lengths(dataset, table=table, config=config)
+        super().__init__(config, dataset, seq_len=seq_len, seed=seed, lengths=lengths)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

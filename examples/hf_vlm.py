@@ -52,10 +52,13 @@ class HFVLM(L.LightningModule):
 class PackedHFData(L.LightningDataModule):
     """Processor outputs (``dataset``) packed by ``PackingSampler``, lengths from the items."""
 
-    def __init__(self, config: Any, dataset: Any, *, seq_len: int, seed: int) -> None:
+    def __init__(
+        self, config: Any, dataset: Any, *, seq_len: int, seed: int, lengths: Any = None
+    ) -> None:
         super().__init__()
         self.config, self.dataset, self.seq_len, self.seed = config, dataset, seq_len, seed
-        self.lengths = vbhf.item_lengths(dataset, config)  # from the same processor
+        # from the same processor outputs, unless given
+        self.lengths = vbhf.item_lengths(dataset, config) if lengths is None else lengths
         self.loader: vb.PackedDataLoader | None = None
 
     def train_dataloader(self) -> vb.PackedDataLoader:

@@ -389,8 +389,6 @@ def tiny_processor(family: str, config: Any | None = None, **overrides: Any) -> 
 
     if config is None:
         config = tiny_config(family)
-
-        config = tiny_config(family)
     special, named, placeholder = family_tokens(family)
     tok = tiny_tokenizer(special, vocab_size=config.get_text_config().vocab_size, named=named)
     template = chat_template(placeholder)
@@ -502,20 +500,13 @@ def tiny_processor(family: str, config: Any | None = None, **overrides: Any) -> 
 # 5. image-token counts from the image size alone (no pixel decoding)
 # --------------------------------------------------------------------------------------------
 def image_size_from_header(path: str) -> tuple[int, int]:
-    """``(height, width)`` as the processor will see the image, read from the file header only.
+    """``(height, width)`` as the processor will see the image (EXIF orientation applied, as
+    transformers' ``load_image`` applies it), from the file's header: see
+    :func:`lightning_vlmbalance.hf.lengths.image_size` (Pillow's own EXIF read of a PNG decodes
+    the whole image)."""
+    from lightning_vlmbalance.hf.lengths import image_size
 
-    ``PIL.Image.open`` is lazy (no pixel decoding until ``load()``); transformers' ``load_image``
-    (image_utils.py:474-514) applies ``ImageOps.exif_transpose``, so EXIF orientations 5-8 swap
-    the sides (relevant for JPEG from cameras, rarely for PNG)."""
-    from PIL import Image
-
-    with Image.open(path) as im:
-        width, height = im.size
-        try:
-            orientation = im.getexif().get(0x0112, 1)
-        except Exception:  # a malformed EXIF block: transformers' exif_transpose would fail too
-            orientation = 1
-    return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
+    return image_size(path)
 
 
 def num_image_tokens(
@@ -541,9 +532,12 @@ def num_image_tokens(
             - int(processor.vision_feature_select_strategy == "default")
         )
         return [n] * len(image_sizes)
-    if name == "Gemma3Processor" and kwargs.get(
-        "do_pan_and_scan", processor.image_processor.do_pan_and_scan
-    ):
+    # Gemma3Processor's own images_kwargs decide (its class default overrides the image
+    # processor's attribute)
+    pan_and_scan = kwargs.get(
+        "do_pan_and_scan", (getattr(processor, "images_kwargs", None) or {}).get("do_pan_and_scan")
+    )
+    if name == "Gemma3Processor" and pan_and_scan:
         raise NotImplementedError(
             "Gemma3 pan-and-scan: _get_num_multimodal_tokens ignores crops; use expanded_length"
         )
