@@ -37,6 +37,7 @@ def __getattr__(name: str) -> object:
         return getattr(check, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "SUPPORTED_FAMILIES",
