@@ -13,7 +13,9 @@ Public API (everything else is private):
 - The loss contract: :func:`packed_cross_entropy`, :class:`PackedLoss`; every batch's
   ``loss_weight`` makes each optimizer step's gradient that of the token-mean loss over the
   whole global batch (see ``docs/loss.md``).
-- Straggler timing: :class:`StragglerMonitor` (see ``docs/straggler_monitor.md``).
+- Straggler timing: :class:`StragglerMonitor` (see ``docs/straggler_monitor.md``); in a
+  Lightning Fabric loop, :class:`FabricStragglerMonitor` (``lightning_vlmbalance.fabric``; the
+  Trainer-only strategy names are registered in Fabric's registry as refusals that say why).
 - Activation offload: :class:`ActivationOffload` (callback), :class:`ActivationOffloader`,
   :func:`offload_activations` (see ``docs/activation_offload.md``).
 - MoE routing: :class:`CompiledMoERouting` (callback); the core in
@@ -45,6 +47,7 @@ from lightning_vlmbalance.balance import (
 )
 from lightning_vlmbalance.balance.encoder import encode_images
 from lightning_vlmbalance.callbacks import ActivationOffload, CompiledMoERouting, StragglerMonitor
+from lightning_vlmbalance.fabric import FabricStragglerMonitor
 from lightning_vlmbalance.loaders import (
     PackedDataLoader,
     PackedStreamLoader,
@@ -77,6 +80,7 @@ __all__ = [
     "EpochPlan",
     "ExchangeError",
     "FSDPVLMBalanceStrategy",
+    "FabricStragglerMonitor",
     "PackCollator",
     "PackedDataLoader",
     "PackedLoss",

@@ -642,8 +642,10 @@ def _fabric_refusal(name: str) -> Any:
             " Lightning `Trainer` only (they rebalance the training loader Lightning's fit loop"
             " drives, through its hooks and checkpoints); Fabric has neither. Under Fabric use"
             " `strategy='ddp'` with `PackedDataLoader` (its `loss_weight` per optimizer step is"
-            " in `lightning_vlmbalance.loss`), or train with `L.Trainer(strategy="
-            f"{name!r})`"
+            " in `lightning_vlmbalance.loss`), balance at the source with"
+            " `PackingSampler(balance=...)`, time the ranks with"
+            " `lightning_vlmbalance.FabricStragglerMonitor`, or train with"
+            f" `L.Trainer(strategy={name!r})`"
         )
 
     return refuse

@@ -30,7 +30,7 @@ _LAYERS = (
     ("packing", "timing", "offload", "moe"),
     ("balance",),
     ("loaders", "callbacks"),
-    ("preemption", "strategy", "hf", "sim", "streams"),
+    ("preemption", "strategy", "hf", "sim", "streams", "fabric"),
 )
 
 

@@ -1,0 +1,52 @@
+"""Lightning Fabric: a 2-rank Fabric loop over the package's packed loader, timed by
+``FabricStragglerMonitor`` (every sample once; the slow rank found, the other one waiting for
+it; JSON lines and TensorBoard scalars read back), and the Trainer-only strategy names refused in
+Fabric with the reason. No timing is asserted beyond which rank waits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import lightning_vlmbalance  # noqa: F401  (registers the names)
+from tests.launch import run_module
+
+
+def test_a_fabric_loop_trains_packs_and_records_the_straggler(tmp_path: Path) -> None:
+    run_module(
+        "tests.fabric_job",
+        *("--out", str(tmp_path), "--slow-rank", "1", "--sleep-ms", "40"),
+        timeout=600,
+    )
+    result = json.loads((tmp_path / "result.json").read_text())
+    seen = result["seen"]
+    assert sorted(seen[0] + seen[1]) == list(range(160))  # every sample once over both ranks
+    steps, summary = result["steps"], result["summary"]
+    assert summary["steps_timed"] == steps > 4
+    # rank 1 sleeps 40 ms in every forward: it is the slowest, and rank 0 waits for it
+    assert summary["slowest_rank"] == 1
+    wait = summary["wait_ms_per_rank"]
+    assert wait[0] > wait[1] and wait[0] > 0.5 * 40 * steps
+    for rank in (0, 1):
+        lines = (tmp_path / "straggler" / f"rank_{rank}.jsonl").read_text().splitlines()
+        assert [json.loads(x)["global_step"] for x in lines] == list(range(1, steps + 1))
+    (logs,) = (tmp_path / "fabric").glob("version_*")
+    acc = EventAccumulator(str(logs))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for rank in (0, 1):
+        assert len(acc.Scalars(f"straggler/step_ms/rank_{rank}")) >= steps // 4
+    assert 0.5 < acc.Scalars("packing/efficiency")[-1].value <= 1.0, tags
+
+
+@pytest.mark.parametrize("name", ["vlmbalance", "fsdp_vlmbalance"])
+def test_the_trainer_only_strategies_are_refused_in_fabric_by_name(name: str) -> None:
+    with pytest.raises(
+        ValueError,
+        match=f"strategy='{name}'.*Trainer` only.*PackingSampler.*FabricStragglerMonitor",
+    ):
+        L.Fabric(accelerator="cpu", devices=1, strategy=name)
