@@ -45,8 +45,9 @@ def main() -> None:
         num_replicas=fabric.world_size,
         rank=fabric.global_rank,
     )
+    # two packs per rank per optimizer step: the loader weighs each step over both ranks
     loader = vb.PackedDataLoader(
-        dataset, sampler, vb.PackCollator(SEQ_LEN, image_feature_shape=(8,))
+        dataset, sampler, vb.PackCollator(SEQ_LEN, image_feature_shape=(8,)), micro_steps=2
     )
     model = ToyVLM(**SMALL_VLM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -55,23 +56,34 @@ def main() -> None:
         fabric, log_every_n_steps=args.every, jsonl_dir=out / "straggler"
     )
     monitor.watch(model)
-    seen, step = [], 0
-    for step, batch in enumerate(loader, 1):
+    seen, step, weights = [], 0, []
+    for i, batch in enumerate(loader):
         seen += batch["meta"]["sample_ids"]
-        with monitor.phase("llm_fwd"):
-            if fabric.global_rank == args.slow_rank:
-                time.sleep(args.sleep_ms / 1000)
-            loss = vb.packed_cross_entropy(model(batch), batch).loss
-        monitor.backward(loss)
+        last = i % 2 == 1
+        with fabric.no_backward_sync(model, enabled=not last):
+            with monitor.phase("llm_fwd"):
+                if fabric.global_rank == args.slow_rank:
+                    time.sleep(args.sleep_ms / 1000)
+                loss = vb.packed_cross_entropy(model(batch), batch).loss
+            monitor.backward(loss / 2)  # divided by the micro-steps, as Lightning's loop does
+        # the step's weights times its loss tokens, over both ranks: R x A (the loss contract,
+        # docs/loss.md: divided by A here and averaged over R by DDP, the token mean)
+        weights.append(float(batch["loss_weight"]) * int(batch["loss_tokens"]))
+        if not last:
+            monitor.end_micro(batch)
+            continue
+        step += 1
         with monitor.phase("optimizer"):
             optimizer.step()
             optimizer.zero_grad()
         monitor.end_step(step, batch=batch)
+    share = torch.tensor([sum(weights[k : k + 2]) for k in range(0, len(weights), 2)])
+    share = fabric.all_reduce(share, reduce_op="sum")
     summary = monitor.close()
     everyone = [None] * fabric.world_size
     torch.distributed.all_gather_object(everyone, seen)
     if fabric.global_rank == 0:
-        result = {"steps": step, "summary": summary, "seen": everyone}
+        result = {"steps": step, "summary": summary, "seen": everyone, "step_share": share.tolist()}
         (out / "result.json").write_text(json.dumps(result))
     fabric.barrier()
 

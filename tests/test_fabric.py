@@ -26,11 +26,16 @@ def test_a_fabric_loop_trains_packs_and_records_the_straggler(tmp_path: Path) ->
     seen = result["seen"]
     assert sorted(seen[0] + seen[1]) == list(range(160))  # every sample once over both ranks
     steps, summary = result["steps"], result["summary"]
-    assert summary["steps_timed"] == steps > 4
+    # the loader weighed each optimizer step (2 packs per rank) over both ranks: the weights
+    # times the loss tokens sum to R x A = 4 (the loop divides by A, DDP averages over R: the
+    # gradient of the global batch's token mean)
+    assert len(result["step_share"]) == steps
+    assert all(abs(x - 4.0) < 1e-9 for x in result["step_share"]), result["step_share"]
+    assert summary["steps_timed"] == steps >= 4
     # rank 1 sleeps 40 ms in every forward: it is the slowest, and rank 0 waits for it
     assert summary["slowest_rank"] == 1
     wait = summary["wait_ms_per_rank"]
-    assert wait[0] > wait[1] and wait[0] > 0.5 * 40 * steps
+    assert wait[0] > wait[1] and wait[0] > 0.5 * 40 * 2 * steps  # 2 forwards per step
     for rank in (0, 1):
         lines = (tmp_path / "straggler" / f"rank_{rank}.jsonl").read_text().splitlines()
         assert [json.loads(x)["global_step"] for x in lines] == list(range(1, steps + 1))
@@ -50,3 +55,15 @@ def test_the_trainer_only_strategies_are_refused_in_fabric_by_name(name: str) ->
         match=f"strategy='{name}'.*Trainer` only.*PackingSampler.*FabricStragglerMonitor",
     ):
         L.Fabric(accelerator="cpu", devices=1, strategy=name)
+
+
+def test_a_loader_of_your_own_steps_is_not_also_given_a_trainer() -> None:
+    import numpy as np
+
+    import lightning_vlmbalance as vb
+
+    sampler = vb.PackingSampler(np.full(4, 10), seq_len=32, num_replicas=1, rank=0)
+    with pytest.raises(ValueError, match=r"micro_steps=2.*a loop of your own"):
+        vb.PackedDataLoader(list(range(4)), sampler, micro_steps=2, trainer=None)
+    with pytest.raises(ValueError, match="micro_steps=0"):
+        vb.PackedDataLoader(list(range(4)), sampler, micro_steps=0)

@@ -679,6 +679,14 @@ class _OfSources:
         loader._passes.set(self.name, value)
 
 
+def _gather_device() -> torch.device:
+    """Where a loop of your own gathers each step's loss tokens: the current CUDA device under
+    NCCL, else the CPU."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class PackedDataLoader(DataLoaderSettings):
     """A Lightning-ready, resumable loader of packed batches (one pack per batch).
 
@@ -710,6 +718,13 @@ class PackedDataLoader(DataLoaderSettings):
             micro-step; :func:`~lightning_vlmbalance.packed_cross_entropy` says so if forgotten.
             With ``Trainer(overfit_batches=N)`` it also trains the same packs every epoch (the
             first ``N`` of epoch 0's plan on each rank).
+        micro_steps: in a loop of your own (a Lightning Fabric loop, no Trainer): the packs
+            each rank trains per optimizer step. The loader then weighs every step as under a
+            Trainer (one small all-gather per step over the initialised process group: every
+            rank iterates the loader together): ``fabric.backward(loss / micro_steps)`` of each
+            micro-batch's ``packed_cross_entropy(...).loss`` (divided as Lightning's loop
+            divides; DDP averages over the ranks) gives the gradient of the whole global
+            batch's token-mean loss (``docs/loss.md``).
         **dataloader_kwargs: passed to the inner ``DataLoader`` (``num_workers``,
             ``pin_memory``, ``persistent_workers``, ``prefetch_factor``, ...).
 
@@ -732,9 +747,18 @@ class PackedDataLoader(DataLoaderSettings):
         collate_fn: PackCollator | None = None,
         *,
         trainer: Any = _NO_TRAINER,
+        micro_steps: int | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         check_dataloader_kwargs("PackedDataLoader", dataloader_kwargs, "the PackingSampler")
+        if micro_steps is not None and (trainer is not _NO_TRAINER or int(micro_steps) < 1):
+            raise ValueError(
+                f"`PackedDataLoader(micro_steps={micro_steps!r})` is for a loop of your own (a"
+                " Fabric loop) and a positive count; under a Trainer give `trainer=` (the"
+                " Trainer decides its micro-steps)"
+            )
+        # a loop of your own: steps of this many packs per rank, weighed over the process group
+        self._own_micro_steps = None if micro_steps is None else int(micro_steps)
         self.dataloader_kwargs = dataloader_kwargs
         self.pack_source = MapPackSource(dataset, sampler, collate_fn, dataloader_kwargs)
         self._passes = PassSources(self.pack_source)  # and a validation's (class docstring)
@@ -840,7 +864,9 @@ class PackedDataLoader(DataLoaderSettings):
         return steps()
 
     def _micro_steps(self) -> int:
-        return step_spec(self.trainer).micro_steps if self.trainer is not None else 1
+        if self.trainer is not None:
+            return step_spec(self.trainer).micro_steps
+        return self._own_micro_steps or 1
 
     def _stop(self) -> Any:
         """Where the epoch's training batches end (``limit_train_batches``, a re-planned
@@ -848,14 +874,14 @@ class PackedDataLoader(DataLoaderSettings):
         trainer = self.trainer
         return (lambda: trainer.num_training_batches) if self._training() else None
 
-    def _open(self, micro_steps: int, source: MapPackSource) -> int:
+    def _open(self, micro_steps: int, source: MapPackSource, *, own_steps: bool = False) -> int:
         """Opens ``source``'s pass of the sampler's epoch (at the first ``next()``: Lightning
         creates the iterator before it calls ``set_epoch``) and tells the training loop its
-        length."""
+        length (``own_steps``: a training pass of a loop of your own)."""
         self._adopt_data_parallel()
         epoch = self.sampler.epoch  # Lightning's (what a checkpoint saves)
         plan_epoch = self._plan_epoch(epoch)  # epoch 0's when overfitting
-        lead = source.open(plan_epoch, micro_steps, self._training())
+        lead = source.open(plan_epoch, micro_steps, self._training() or own_steps)
         packs = self.sampler.packs_per_rank(plan_epoch)
         if self._training():
             # epochs differ in pack count; Lightning keeps the count it read before the first
@@ -877,20 +903,28 @@ class PackedDataLoader(DataLoaderSettings):
         """The pass's packs: while training, each optimizer step formed (weighed) by a
         :class:`~lightning_vlmbalance.loaders.global_batch.GlobalBatchFormer` (one small
         all-gather of the packs' features per step, on the world group); otherwise as read."""
-        weighed = self._training()
+        own = self.trainer is None and self._own_micro_steps is not None
+        weighed = self._training() or own
         if weighed:
-            spec = step_spec(self.trainer)
-            world = spec.world
-            self._open(spec.micro_steps, source)
+            if own:  # a loop of your own: the process group's world, the steps it gave
+                world, micro_steps = data_parallel_world(), int(self._own_micro_steps)
+                device = _gather_device()
+                if self.sampler.balanced:
+                    self.sampler.set_micro_steps(micro_steps)
+            else:
+                spec = step_spec(self.trainer)
+                world, micro_steps = spec.world, spec.micro_steps
+                device = self.trainer.strategy.root_device
+            self._open(micro_steps, source, own_steps=own)
             former = GlobalBatchFormer(
-                micro_steps=spec.micro_steps,
+                micro_steps=micro_steps,
                 num_replicas=world.size,
                 rank=world.rank,
                 copies=world.copies,
                 gradient_ranks=world.gradient_ranks,
-                gather_device=self.trainer.strategy.root_device,
+                gather_device=device,
             )
-            steps = source.global_batches(spec.micro_steps, self._stop())
+            steps = source.global_batches(micro_steps, None if own else self._stop())
             packs = handed_packs(former, steps, source.handed)
         else:
             self._open(1, source)
