@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--sleep-ms", type=float, default=0.0)
     p.add_argument("--every", type=int, default=4)
+    p.add_argument("--balance", action="store_true", help="balance at the source")
     args = p.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -44,6 +45,7 @@ def main() -> None:
         seq_len=SEQ_LEN,
         num_replicas=fabric.world_size,
         rank=fabric.global_rank,
+        balance=True if args.balance else None,
     )
     # two packs per rank per optimizer step: the loader weighs each step over both ranks
     loader = vb.PackedDataLoader(
@@ -83,7 +85,13 @@ def main() -> None:
     everyone = [None] * fabric.world_size
     torch.distributed.all_gather_object(everyone, seen)
     if fabric.global_rank == 0:
-        result = {"steps": step, "summary": summary, "seen": everyone, "step_share": share.tolist()}
+        result = {
+            "steps": step,
+            "summary": summary,
+            "seen": everyone,
+            "step_share": share.tolist(),
+            "formed": sampler.plan().balanced_batches,
+        }
         (out / "result.json").write_text(json.dumps(result))
     fabric.barrier()
 

@@ -48,6 +48,16 @@ def test_a_fabric_loop_trains_packs_and_records_the_straggler(tmp_path: Path) ->
     assert 0.5 < acc.Scalars("packing/efficiency")[-1].value <= 1.0, tags
 
 
+def test_a_fabric_loop_balances_at_the_source(tmp_path: Path) -> None:
+    """``PackingSampler(balance=...)`` in a Fabric loop: the global batches of the loop's
+    micro-steps are formed at the source, every sample once, every step weighed."""
+    run_module("tests.fabric_job", "--out", str(tmp_path), "--balance", timeout=600)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert sorted(result["seen"][0] + result["seen"][1]) == list(range(160))
+    assert result["formed"] > 0
+    assert all(abs(x - 4.0) < 1e-9 for x in result["step_share"]), result["step_share"]
+
+
 @pytest.mark.parametrize("name", ["vlmbalance", "fsdp_vlmbalance"])
 def test_the_trainer_only_strategies_are_refused_in_fabric_by_name(name: str) -> None:
     with pytest.raises(
