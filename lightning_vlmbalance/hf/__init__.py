@@ -22,6 +22,8 @@ from lightning_vlmbalance.hf.inputs import (
     model_inputs,
     prepare_model,
 )
+from lightning_vlmbalance.hf.lengths import header_lengths
+from lightning_vlmbalance.hf.records import ChatRecords
 
 register()
 
@@ -41,6 +43,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "SUPPORTED_FAMILIES",
+    "ChatRecords",
     "DocumentCheck",
     "Family",
     "HFPackCollator",
@@ -48,6 +51,7 @@ __all__ = [
     "PackingReport",
     "check_packing",
     "family_of",
+    "header_lengths",
     "item_lengths",
     "model_inputs",
     "prepare_model",
