@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,17 @@ class FabricStragglerMonitor:
         log_every_n_steps: optimizer steps between two gathers (a small all-gather on every
             rank) and two ``fabric.log_dict`` calls.
         jsonl_dir: the folder of the per-rank JSON-lines files (``rank_{r}.jsonl``).
+        start_step: the optimizer steps trained before (a resumed run): the files keep their
+            records up to it and go on after it (``0``: they start afresh).
     """
 
     def __init__(
-        self, fabric: Any, *, log_every_n_steps: int = 50, jsonl_dir: str | Path = "straggler"
+        self,
+        fabric: Any,
+        *,
+        log_every_n_steps: int = 50,
+        jsonl_dir: str | Path = "straggler",
+        start_step: int = 0,
     ) -> None:
         if log_every_n_steps < 1:
             raise ValueError(f"FabricStragglerMonitor(log_every_n_steps={log_every_n_steps})")
@@ -71,12 +79,13 @@ class FabricStragglerMonitor:
         Path(jsonl_dir).mkdir(parents=True, exist_ok=True)
         self.recorder.start(
             Path(jsonl_dir) / f"rank_{fabric.global_rank}.jsonl",
-            0,
+            int(start_step),
             rank=fabric.global_rank,
             world_size=fabric.world_size,
         )
-        self._last_gathered = 0
-        self._last_step = 0
+        self._steps = 0  # end_step calls since the last gather: when to gather, on every rank
+        self._last_step: int | None = None
+        self._closed = False
 
     @property
     def timer(self) -> Any:
@@ -91,6 +100,13 @@ class FabricStragglerMonitor:
             ddp.register_comm_hook(
                 state=getattr(ddp, "process_group", None),
                 hook=timed_comm_hook(self.timer.mark_sync_entry),
+            )
+        elif self.fabric.world_size > 1:
+            warnings.warn(
+                f"FabricStragglerMonitor.watch: {type(module).__name__} is not wrapped in"
+                " DistributedDataParallel (call watch() after fabric.setup(model) under"
+                " strategy='ddp'): the ranks' waiting for each other is not measured",
+                stacklevel=2,
             )
 
     @contextlib.contextmanager
@@ -120,13 +136,17 @@ class FabricStragglerMonitor:
         self, step: int, *, epoch: int = 0, batch: Mapping[str, Any] | None = None
     ) -> dict[str, float]:
         """Closes optimizer step ``step`` (counted from 1, the same on every rank). Every
-        ``log_every_n_steps`` steps it gathers every rank's steps (a collective: every rank
-        calls it with the same ``step``), logs the metrics and returns them; else ``{}``."""
+        ``log_every_n_steps`` calls it gathers every rank's steps (a collective: every rank
+        calls it as often; ranks at different step numbers raise there, naming them), logs the
+        metrics and returns them; else ``{}``."""
+        if self._closed:
+            raise RuntimeError("FabricStragglerMonitor.end_step after close()")
         self._note(batch)
         self.timer.end_step(step, epoch)
         self.recorder.collect()
         self._last_step = step
-        if step - self._last_gathered < self.every:
+        self._steps += 1
+        if self._steps < self.every:
             return {}
         return self._gather(step)
 
@@ -134,15 +154,26 @@ class FabricStragglerMonitor:
         """Gathers the steps not gathered yet (a collective), closes the files, and returns the
         whole-run summary (the same on every rank): ``waste_frac``, ``slowest_rank``, per-rank
         busy and waiting milliseconds."""
-        if self._last_step > self._last_gathered:
-            self._gather(self._last_step)
-        self.recorder.close()
+        if not self._closed:
+            if self._steps and self._last_step is not None:
+                self._gather(self._last_step)
+            self.recorder.close()
+            self._closed = True
         return self.recorder.summary()
 
     def _gather(self, step: int) -> dict[str, float]:
+        # the ranks gather at the same count of steps; their step numbers must agree (a rank
+        # a step ahead would wait in the next gather for ever)
+        steps = self.fabric.all_gather(torch.tensor(step, device=self.fabric.device))
+        if steps.numel() > 1 and bool((steps != steps.reshape(-1)[0]).any()):
+            raise RuntimeError(
+                f"FabricStragglerMonitor: the ranks ended different optimizer steps"
+                f" ({steps.reshape(-1).tolist()}): call end_step(step) with the same step on"
+                " every rank"
+            )
         self.recorder.synchronize()
         self.recorder.gather()
-        self._last_gathered = step
+        self._steps = 0
         metrics = self.recorder.metrics()
         if metrics:
             self.fabric.log_dict(metrics, step=step)

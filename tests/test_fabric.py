@@ -77,3 +77,29 @@ def test_a_loader_of_your_own_steps_is_not_also_given_a_trainer() -> None:
         vb.PackedDataLoader(list(range(4)), sampler, micro_steps=2, trainer=None)
     with pytest.raises(ValueError, match="micro_steps=0"):
         vb.PackedDataLoader(list(range(4)), sampler, micro_steps=0)
+
+
+def test_a_balanced_loader_of_your_own_steps_plans_them_before_the_first_step() -> None:
+    """``len`` and a resume read the plan of the loop's micro-steps from the start (the loader
+    told the balanced sampler only at the first step: ``len`` answered for one micro-step and a
+    fresh loader refused its own state)."""
+    import lightning_vlmbalance as vb
+    from lightning_vlmbalance.synthetic import SyntheticVLMDataset, synthetic_length_table
+
+    table = synthetic_length_table(37, tile_tokens=8, max_text_tokens=64, seed=5)
+
+    def loader() -> vb.PackedDataLoader:
+        sampler = vb.PackingSampler(
+            table.total_tokens, table.image_tokens, seq_len=128, num_replicas=1, rank=0,
+            balance=True,
+        )  # fmt: skip
+        data = SyntheticVLMDataset(table, vocab_size=64, patch_dim=8)
+        collate = vb.PackCollator(128, image_feature_shape=(8,))
+        return vb.PackedDataLoader(data, sampler, collate, micro_steps=3)
+
+    first = loader()
+    told = len(first)
+    batches = list(first)
+    assert told == len(batches) and first.sampler.micro_steps == 3
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())  # the same settings: accepted

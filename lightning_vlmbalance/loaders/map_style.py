@@ -724,7 +724,10 @@ class PackedDataLoader(DataLoaderSettings):
             rank iterates the loader together): ``fabric.backward(loss / micro_steps)`` of each
             micro-batch's ``packed_cross_entropy(...).loss`` (divided as Lightning's loop
             divides; DDP averages over the ranks) gives the gradient of the whole global
-            batch's token-mean loss (``docs/loss.md``).
+            batch's token-mean loss (``docs/loss.md``). ``len(loader)`` is this rank's packs
+            in the epoch (read it after ``set_epoch``; after ``load_state_dict`` the pass
+            yields ``len(loader) - loader.start``); an epoch's last step has fewer packs when
+            they do not divide by ``micro_steps``, and is weighed as such.
         **dataloader_kwargs: passed to the inner ``DataLoader`` (``num_workers``,
             ``pin_memory``, ``persistent_workers``, ``prefetch_factor``, ...).
 
@@ -759,6 +762,9 @@ class PackedDataLoader(DataLoaderSettings):
             )
         # a loop of your own: steps of this many packs per rank, weighed over the process group
         self._own_micro_steps = None if micro_steps is None else int(micro_steps)
+        if self._own_micro_steps is not None and sampler.balanced:
+            # now, not at the first step: len() and a resume read the plan of these steps
+            sampler.set_micro_steps(self._own_micro_steps)
         self.dataloader_kwargs = dataloader_kwargs
         self.pack_source = MapPackSource(dataset, sampler, collate_fn, dataloader_kwargs)
         self._passes = PassSources(self.pack_source)  # and a validation's (class docstring)
@@ -886,7 +892,12 @@ class PackedDataLoader(DataLoaderSettings):
         if self._training():
             # epochs differ in pack count; Lightning keeps the count it read before the first
             seam.refresh_epoch_batches(self.trainer)
-        elif self._told_len is not None and self._told_len < packs and not self._len_warned:
+        elif (
+            not own_steps
+            and self._told_len is not None
+            and self._told_len < packs
+            and not self._len_warned
+        ):
             warnings.warn(
                 f"PackedDataLoader: epoch {epoch} has {packs} packs on this rank, but `len()`"
                 f" said {self._told_len} first: a Trainer that read that length ends the pass"
@@ -909,8 +920,6 @@ class PackedDataLoader(DataLoaderSettings):
             if own:  # a loop of your own: the process group's world, the steps it gave
                 world, micro_steps = data_parallel_world(), int(self._own_micro_steps)
                 device = _gather_device()
-                if self.sampler.balanced:
-                    self.sampler.set_micro_steps(micro_steps)
             else:
                 spec = step_spec(self.trainer)
                 world, micro_steps = spec.world, spec.micro_steps
