@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
@@ -54,6 +55,14 @@ class DataParallelWorld:
         """Processes that compute each data-parallel rank's packs (its tensor-parallel peers):
         a sum over the whole process group counts every pack this many times."""
         return max(1, self.world_size // self.size)
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor for a collective over ``group`` (default: the default group) must live:
+    the current CUDA device under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _process_group() -> tuple[int, int]:

@@ -42,7 +42,7 @@ from lightning_vlmbalance.packing.plan import (
     check_image_counts,
     check_length_table,
 )
-from lightning_vlmbalance.parallel import data_parallel_world, step_spec
+from lightning_vlmbalance.parallel import collective_device, data_parallel_world, step_spec
 
 __all__ = ["PackedDataLoader", "PackingSampler"]
 
@@ -679,14 +679,6 @@ class _OfSources:
         loader._passes.set(self.name, value)
 
 
-def _gather_device() -> torch.device:
-    """Where a loop of your own gathers each step's loss tokens: the current CUDA device under
-    NCCL, else the CPU."""
-    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class PackedDataLoader(DataLoaderSettings):
     """A Lightning-ready, resumable loader of packed batches (one pack per batch).
 
@@ -919,7 +911,7 @@ class PackedDataLoader(DataLoaderSettings):
         if weighed:
             if own:  # a loop of your own: the process group's world, the steps it gave
                 world, micro_steps = data_parallel_world(), int(self._own_micro_steps)
-                device = _gather_device()
+                device = collective_device()
             else:
                 spec = step_spec(self.trainer)
                 world, micro_steps = spec.world, spec.micro_steps

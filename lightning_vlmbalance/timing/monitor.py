@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_vlmbalance.parallel import collective_device
 from lightning_vlmbalance.timing.summary import (
     SERIES,
     collective_waits,
@@ -271,8 +272,7 @@ def _all_gather_rows(
     elif not (dist.is_available() and dist.is_initialized()):
         gathered = row  # one rank, no process group
     else:
-        if dist.get_backend(all_gather) == "nccl":
-            row = row.to(torch.device("cuda", torch.cuda.current_device()))
+        row = row.to(collective_device(all_gather))
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size(all_gather))]
         dist.all_gather(rows, row, group=all_gather)
         gathered = torch.stack(rows)
