@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -155,10 +156,14 @@ def prepare_model(model: torch.nn.Module) -> Family:
         )
         model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
     decoder = model.get_decoder()
-    for module in decoder.modules():
-        if is_linear_attention(module):  # Qwen3.5: a zero state and convolution per document
-            per_document(module)
-    state: dict[str, Any] = {"text_only": False, "balanced_zero": None}
+    per_doc = [m for m in decoder.modules() if is_linear_attention(m)]
+    for module in per_doc:  # Qwen3.5: a zero state and convolution per document
+        per_document(module)
+    state: dict[str, Any] = {
+        "text_only": False,
+        "balanced_zero": None,
+        "per_document": bool(per_doc),
+    }
     # parameters of the vision tower and projector: some are never used by some models' forward
     # (LLaVA-OneVision reads SigLIP's hidden states before its last norm and head), which DDP
     # refuses; a zero term on them keeps every one in every micro-batch's graph
@@ -255,6 +260,17 @@ def hf_model(model: Any) -> Any:
     return model
 
 
+def _doc_bounds(batch: Mapping[str, Any]) -> list[int]:
+    """``cu_seqlens`` as host ints, from the pack's ``meta`` (no device read): its documents,
+    then the padding tail as a segment of its own, as the collator lays them out."""
+    meta = batch.get("meta") or {}
+    if "doc_lens" not in meta:  # a batch of other making: ask the tensor
+        return batch["cu_seqlens"].tolist()
+    bounds = [0, *itertools.accumulate(int(n) for n in meta["doc_lens"])]
+    total = int(batch["input_ids"].shape[-1])
+    return [*bounds, total] if bounds[-1] < total else bounds
+
+
 def _pack_id(batch: Mapping[str, Any]) -> Any:
     return (batch.get("meta") or {}).get("pack_id")
 
@@ -330,6 +346,8 @@ def model_inputs(
         "max_length_k": max_len,
         **family.attention_inputs(batch),
     }
+    if model._vlmbalance_state["per_document"]:  # the boundaries as host ints, read once
+        inputs["vlmbalance_doc_bounds"] = _doc_bounds(batch)
     if batch.get("encoder_route") is not None:
         # encoded in the multimodal model's forward (its pre-hook): see prepare_model
         state = model._vlmbalance_state

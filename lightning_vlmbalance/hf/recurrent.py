@@ -26,7 +26,14 @@ __all__ = ["LINEAR_ATTENTION", "is_linear_attention", "per_document"]
 
 # class names of the linear-attention layers wrapped by prepare_model
 LINEAR_ATTENTION = ("GatedDeltaNet",)
-_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_PACKED_KEYS = (
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "seq_idx",
+    "vlmbalance_doc_bounds",
+)
 
 
 def is_linear_attention(module: torch.nn.Module) -> bool:
@@ -55,6 +62,9 @@ def _packed_forward(
 ) -> torch.Tensor:
     original = type(self).forward
     cu = kwargs.get("cu_seq_lens_q")
+    # the boundaries as host ints, read once per forward by model_inputs (from cu_seq_lens_q
+    # itself only if not given: a device-to-host read in every layer)
+    bounds = kwargs.get("vlmbalance_doc_bounds")
     for key in _PACKED_KEYS:
         kwargs.pop(key, None)
     if cu is None:
@@ -66,6 +76,6 @@ def _packed_forward(
         )
     parts = [
         original(self, hidden_states[:, a:b], cache=None, attention_mask=None, **kwargs)
-        for a, b in itertools.pairwise(cu.tolist())
+        for a, b in itertools.pairwise(cu.tolist() if bounds is None else bounds)
     ]
     return torch.cat(parts, dim=1)
